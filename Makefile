@@ -1,0 +1,44 @@
+# pd-dflash: the two commands of the README, plus lint helpers.
+# Both commands create or refresh the local virtual environment idempotently (a stamp keyed on pyproject.toml).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/install_torch.sh | sha1sum | cut -c1-12)
+# Set VENV_SYSTEM_SITE=1 on a GPU box to let the venv see the system's CUDA torch (and a MoE-Infinity build).
+VENV_FLAGS := $(if $(filter 1,$(VENV_SYSTEM_SITE)),--system-site-packages,)
+RUN_SPEC ?= jobs/cpu_reference.yaml
+RUN_OUT ?= results/cpu_reference
+
+.PHONY: run test lint format venv clean
+
+venv: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+
+$(STAMP): pyproject.toml scripts/install_torch.sh | $(BIN)/python
+	scripts/install_torch.sh $(BIN)/python
+	$(BIN)/python -m pip install -q -e ".[engine,sweep,dev]"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+# README command 1: the main job on its embedded default (CPU sweep, reference engine, local Ray cluster).
+run: $(STAMP)
+	$(BIN)/pd-dflash run $(RUN_SPEC) --out $(RUN_OUT) --resume
+
+# README command 2: lint, format check and the whole test suite (CI runs exactly this through .ci/run).
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,5 @@
+import sys
+
+from pd_dflash.cli import main
+
+sys.exit(main())

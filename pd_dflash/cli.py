@@ -1,0 +1,110 @@
+"""The ``pd-dflash`` command line. Thin: parse arguments, call the owning module, map errors to exit codes.
+
+Each subcommand imports its implementation lazily, so ``plan``, ``report`` and ``validate`` never import torch
+or Ray, and ``run`` imports Ray only once it is asked to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable
+
+from pd_dflash import __version__
+from pd_dflash.errors import InputError
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pd_dflash.spec import load_spec, plan, render_plan
+
+    spec = load_spec(args.spec)
+    planned = plan(spec)
+    if args.json:
+        print(json.dumps({"cells": planned["cells"], "counts": planned["counts"], "blocked": planned["blocked"]}))
+    else:
+        print(render_plan(spec, planned))
+    return 0
+
+
+def _lazy(target: str) -> Callable[[argparse.Namespace], int]:
+    """A handler that imports ``module:function`` only when its subcommand runs."""
+
+    def handler(args: argparse.Namespace) -> int:
+        module, _, name = target.partition(":")
+        return getattr(importlib.import_module(module), name)(args)
+
+    return handler
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pd-dflash",
+        description="Sweep orchestrator for the PD-DFlash Phase-A matrix (offloaded MoE, DFlash, route-ahead).",
+    )
+    parser.add_argument("--version", action="version", version=f"pd-dflash {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="expand a sweep spec into cells and print the plan (no torch, no Ray)")
+    p.add_argument("spec", help="sweep spec (YAML)")
+    p.add_argument("--json", action="store_true", help='print {"cells": [...], "counts": {...}} as JSON')
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser("report", help="turn row files into result matrices, gates and a go/no-go verdict")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="rows.jsonl files or upstream raw row files")
+    p.add_argument("--out", required=True, help="directory for result_matrix.json/.csv/.md")
+    p.add_argument("--spec", help="sweep spec whose gates to apply (default: built-in gate thresholds)")
+    p.add_argument("--allow-blocked", nargs="*", default=None, metavar="BASELINE",
+                   help="baselines whose blocked rows do not make a group incomplete (e.g. B2)")
+    p.add_argument("--plots", action="store_true", help="also write PNG plots")
+    p.set_defaults(func=_lazy("pd_dflash.report:report_main"))
+
+    p = sub.add_parser("validate", help="check a result_matrix.json as upstream's validate_result_matrix")
+    p.add_argument("matrix", help="result_matrix.json")
+    p.set_defaults(func=_lazy("pd_dflash.report:validate_main"))
+
+    p = sub.add_parser("run", help="run a sweep on a Ray cluster (local single-node cluster without --address)")
+    p.add_argument("spec", help="sweep spec (YAML)")
+    p.add_argument("--out", required=True, help="results directory (absolute on a cluster's head box)")
+    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local cluster)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="skip cells already stored in OUT (default)")
+    mode.add_argument("--restart", action="store_true",
+                      help="archive OUT's rows and start over (also accepts a changed spec)")
+    mode.add_argument("--retry-errors", action="store_true", help="rerun only ERROR/TIMEOUT cells")
+    p.add_argument("--max-attempts", type=int, default=3, help="attempts per cell after runner deaths")
+    p.add_argument("--cell-timeout", type=float, default=None, help="seconds before a cell is killed")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.set_defaults(func=_lazy("pd_dflash.sweep.cli:run_main"))
+
+    p = sub.add_parser("probe", help="device identity (NVML) and measured host-to-device bandwidth")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_lazy("pd_dflash.engine.probe:probe_main"))
+
+    p = sub.add_parser("overlap", help="BM4 H2D/compute overlap from nsys stats CSV exports")
+    p.add_argument("--gpu-trace", required=True, help="nsys stats --report cuda_gpu_trace CSV")
+    p.add_argument("--nvtx-trace", required=True, help="nsys stats --report nvtx_pushpop_trace CSV")
+    p.add_argument("--compute-range", nargs="+", default=None,
+                   help="NVTX ranges that hide transfers (default: dflash_draft route_ahead_router target_verify)")
+    p.add_argument("--h2d-gbps", type=float, default=None,
+                   help="measured H2D bandwidth (GB/s) to convert overlapped bytes into seconds")
+    p.add_argument("--output", help="write the BM4 JSON here as well as to stdout")
+    p.set_defaults(func=_lazy("pd_dflash.overlap:overlap_main"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except InputError as exc:
+        print(f"pd-dflash {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"pd-dflash {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

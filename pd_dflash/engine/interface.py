@@ -1,0 +1,51 @@
+"""The one interface every engine implements; the orchestrator talks to engines only through it.
+
+An engine instance lives in one runner process and holds one loaded model. It runs cells one at a time and
+returns an :class:`~pd_dflash.schema.EngineResult`; the runner turns that into a stored row. No torch here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from pd_dflash.schema import EngineResult
+from pd_dflash.spec import SLO, Cell, Hardware, Memory, ModelSpec, Workload
+
+
+class EngineContext(BaseModel):
+    """Everything an engine needs to load a model once and serve every cell of it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sweep: str
+    model: ModelSpec
+    memory: Memory
+    hardware: Hardware
+    workload: Workload
+    slo: SLO
+    #: "cpu" or "cuda:0" (the runner sees exactly the GPU Ray assigned to it).
+    device: str
+    #: From ``registry.load_group``: "shared" (serves every baseline) or "resident" (B3-only load).
+    load_group: str = "shared"
+
+
+class Engine(ABC):
+    """Load in ``__init__`` (once per runner), then ``run_cell`` any number of times, then ``close``."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        self.ctx = ctx
+
+    @abstractmethod
+    def run_cell(self, cell: Cell) -> EngineResult:
+        """Measure one cell. Raise for a genuine failure (the runner records an ERROR row); return a
+        REFUSED/BLOCKED result for a configuration the engine must not run, with the reason."""
+
+    def describe(self) -> dict[str, Any]:
+        """Facts about the loaded engine and model, merged into every row's ``engine`` field."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free what the engine holds (the runner process exits after a model switch anyway)."""

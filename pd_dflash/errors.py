@@ -1,0 +1,40 @@
+"""Errors that carry the field path or file position they are about, so the CLI can name it and exit 2."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+
+class InputError(Exception):
+    """A bad input (spec, row file, CLI argument). The message names the field path or the file and line."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, where: str | None = None):
+        self.where = where
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+def format_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
+    """One line per pydantic error: ``field.path: message (got value)``, with list indices kept."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "__root__")
+        path = ".".join(p for p in (prefix, loc) if p)
+        msg = err.get("msg", "invalid")
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        got = err.get("input", _MISSING)
+        shown = "" if got is _MISSING or err.get("type") == "missing" else f" (got {_short(got)})"
+        lines.append(f"{path or '<root>'}: {msg}{shown}")
+    return "; ".join(lines)
+
+
+_MISSING = object()
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

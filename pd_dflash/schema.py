@@ -1,0 +1,352 @@
+"""The row contract: one row of metrics per cell, compatible with upstream's Phase-A rows.
+
+Upstream (research/upstream-phase-a.md §2) fixes the identity ``(model, baseline, block_size, concurrency,
+repeat)``, the ten ``REQUIRED_METRICS`` in order and units, and the optional ``status``, ``warnings`` and
+``cost_terms``. pd-dflash keeps all of them and adds fields; it never renames or drops one. The one rule that
+differs: a metric the engine cannot measure is *absent* (with a warning, status ``PARTIAL``), never a 0.0.
+Metric definitions live in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pd_dflash.errors import InputError, format_validation_error
+from pd_dflash.spec import Baseline, Cell
+
+#: Upstream's metric tuple, in upstream order. Units: tok/s, tokens/round, s, s, tok/s, ratio, ratio, bytes,
+#: bytes, bytes.
+REQUIRED_METRICS: tuple[str, ...] = (
+    "output_tokens_per_second",
+    "acceptance_length_a",
+    "ttft_seconds",
+    "per_round_latency_seconds",
+    "goodput_at_slo",
+    "expert_cache_hit_rate",
+    "route_ahead_prefetch_coverage",
+    "wasted_prefetch_bytes",
+    "expert_occupancy_bytes",
+    "kv_occupancy_bytes",
+)
+RATIO_METRICS = frozenset({"expert_cache_hit_rate", "route_ahead_prefetch_coverage"})
+#: Upstream ``RouteAheadStats.as_dict()`` keys, in upstream order (the last three are None without bytes).
+ROUTE_AHEAD_KEYS: tuple[str, ...] = (
+    "steps",
+    "layers_observed",
+    "predicted_experts",
+    "actual_experts",
+    "covered_experts",
+    "kept_experts",
+    "wasted_experts",
+    "coverage",
+    "waste_ratio",
+    "predicted_prefetch_bytes",
+    "kept_prefetch_bytes",
+    "wasted_prefetch_bytes",
+)
+#: Upstream's NVTX range names (push/pop ranges; nsys renders them as ``:name``).
+NVTX_RANGES: tuple[str, ...] = (
+    "dflash_draft",
+    "route_ahead_router",
+    "route_ahead_issue",
+    "target_verify",
+    "expert_h2d",
+)
+
+
+class Status(str, Enum):
+    OK = "OK"
+    #: Measured, but at least one metric could not be measured: it is absent and a warning says why.
+    PARTIAL = "PARTIAL"
+    BLOCKED_UNTIL_2D_SCHEDULER = "BLOCKED_UNTIL_2D_SCHEDULER"
+    UNAVAILABLE_CAPACITY = "UNAVAILABLE_CAPACITY"
+    #: The engine refuses the configuration (e.g. an "offloaded" cell whose cache holds every expert).
+    REFUSED = "REFUSED"
+    ERROR = "ERROR"
+    TIMEOUT = "TIMEOUT"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+MEASURED_STATUSES = frozenset({Status.OK, Status.PARTIAL})
+BLOCKED_STATUSES = frozenset({Status.BLOCKED_UNTIL_2D_SCHEDULER, Status.UNAVAILABLE_CAPACITY, Status.REFUSED})
+FAILED_STATUSES = frozenset({Status.ERROR, Status.TIMEOUT})
+REASON_REQUIRED = frozenset({Status.REFUSED, Status.ERROR, Status.TIMEOUT})
+
+
+def check_number(name: str, value: Any, *, upper: float | None = None) -> int | float:
+    """A metric value: an int or float (never a bool), finite, non-negative, and at most ``upper``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be non-negative, got {value!r}")
+    if upper is not None and value > upper:
+        raise ValueError(f"{name} must be at most {upper}, got {value!r}")
+    return value
+
+
+NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False, strict=False)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LatencyStats(_Model):
+    """Distribution of one latency over requests (or rounds). Percentiles interpolate linearly (numpy's default)."""
+
+    n: Annotated[int, Field(ge=1)]
+    mean: NonNegative
+    p50: NonNegative
+    p90: NonNegative
+    p99: NonNegative
+    max: NonNegative
+
+    @classmethod
+    def from_samples(cls, samples: list[float]) -> LatencyStats | None:
+        if not samples:
+            return None
+        xs = sorted(float(x) for x in samples)
+        return cls(
+            n=len(xs),
+            mean=sum(xs) / len(xs),
+            p50=percentile(xs, 50),
+            p90=percentile(xs, 90),
+            p99=percentile(xs, 99),
+            max=xs[-1],
+        )
+
+
+def percentile(sorted_xs: list[float], q: float) -> float:
+    """Linear-interpolation percentile of an already sorted, non-empty list."""
+    if not sorted_xs:
+        raise ValueError("percentile of an empty list")
+    pos = (len(sorted_xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+
+
+class CostTerms(_Model):
+    """Upstream's ``cost_terms`` keys first, then pd-dflash's transfer accounting."""
+
+    route_ahead_coverage: NonNegative | None = None
+    wasted_prefetch_bytes: Annotated[int, Field(ge=0)] | NonNegative | None = None
+    #: Measured host→device bandwidth in bytes/s (a probe or the measured rate of the cell's own transfers).
+    measured_h2d_bytes_per_second: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    #: How that bandwidth was obtained: "probe" (pinned 256 MiB × 20 copies), "transfers" (this cell's copies).
+    h2d_bandwidth_source: Literal["probe", "transfers"] | None = None
+    #: The link the transfers used: a real device link, an emulated one (CPU engine), or none (resident).
+    h2d_link: Literal["real", "emulated", "none"] | None = None
+    emulated_h2d_gbps: NonNegative | None = None
+    emulated_latency_us: NonNegative | None = None
+    h2d_bytes: Annotated[int, Field(ge=0)] | None = None
+    h2d_seconds: NonNegative | None = None
+    h2d_transfers: Annotated[int, Field(ge=0)] | None = None
+    #: Time compute waited for a transfer (the on-demand part of fetching).
+    exposed_fetch_seconds: NonNegative | None = None
+
+
+class HideInequality(_Model):
+    """``(1−r)·s·M/BW ≤ t_draft + t_router + overlap``, per verify round, from measured terms."""
+
+    resident_fraction: Annotated[float, Field(ge=0.0, le=1.0)]
+    saturation: Annotated[float, Field(ge=0.0, le=1.0)]
+    total_expert_bytes: NonNegative
+    measured_h2d_bytes_per_second: Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+    draft_seconds: NonNegative
+    router_seconds: NonNegative
+    overlap_seconds: NonNegative
+    fetch_seconds: NonNegative
+    hide_window_seconds: NonNegative
+    margin_seconds: Annotated[float, Field(allow_inf_nan=False)]
+    hidden: bool
+
+
+class EngineResult(_Model):
+    """What an engine returns for one cell: the row minus identity and bookkeeping."""
+
+    output_tokens_per_second: float | None = None
+    acceptance_length_a: float | None = None
+    ttft_seconds: float | None = None
+    per_round_latency_seconds: float | None = None
+    goodput_at_slo: float | None = None
+    expert_cache_hit_rate: float | None = None
+    route_ahead_prefetch_coverage: float | None = None
+    wasted_prefetch_bytes: float | None = None
+    expert_occupancy_bytes: float | None = None
+    kv_occupancy_bytes: float | None = None
+
+    status: Status = Status.OK
+    reason: str | None = None
+    warnings: list[str] = Field(default_factory=list)
+    cost_terms: CostTerms | None = None
+
+    #: BM1 terms (upstream optional fields) and the draft time: sums over the timed loop, in seconds.
+    t_draft_seconds: NonNegative | None = None
+    t_router_seconds: NonNegative | None = None
+    t_verify_seconds: NonNegative | None = None
+
+    #: Distributions: ttft_seconds, tpot_seconds, e2e_seconds (per request), round_seconds, draft_seconds,
+    #: router_seconds, verify_seconds (per round).
+    latency: dict[str, LatencyStats] = Field(default_factory=dict)
+    #: Committed tokens per verify round (bonus included) → number of rounds.
+    acceptance_histogram: dict[int, Annotated[int, Field(ge=0)]] | None = None
+    #: Upstream RouteAheadStats.as_dict() of the configuration's prefetcher, keys in ROUTE_AHEAD_KEYS order.
+    route_ahead: dict[str, int | float | None] | None = None
+    hide_inequality: HideInequality | None = None
+    requests: Annotated[int, Field(ge=0)] | None = None
+    generated_tokens: Annotated[int, Field(ge=0)] | None = None
+    timed_seconds: NonNegative | None = None
+    #: Engine facts: name, version, preset, drafter, scheduler, link, model card, ... (free-form, JSON).
+    engine: dict[str, Any] = Field(default_factory=dict)
+    #: Device telemetry at cell start and end (NVML), when a device is present.
+    telemetry: dict[str, Any] | None = None
+    #: Named phase durations of the cell (load, warm-up, timed loop...), seconds.
+    timings: dict[str, NonNegative] = Field(default_factory=dict)
+
+    @field_validator(*REQUIRED_METRICS, mode="before")
+    @classmethod
+    def _metric(cls, value: Any, info) -> Any:
+        if value is None:
+            return None
+        return check_number(info.field_name, value, upper=1.0 if info.field_name in RATIO_METRICS else None)
+
+    @field_validator("route_ahead")
+    @classmethod
+    def _route_ahead(cls, value: dict | None) -> dict | None:
+        if value is None:
+            return None
+        unknown = [k for k in value if k not in ROUTE_AHEAD_KEYS]
+        if unknown:
+            raise ValueError(f"unknown route_ahead keys {unknown}; expected {list(ROUTE_AHEAD_KEYS)}")
+        for k, v in value.items():
+            if v is not None:
+                check_number(f"route_ahead.{k}", v)
+        return {k: value.get(k) for k in ROUTE_AHEAD_KEYS if k in value}
+
+    @model_validator(mode="after")
+    def _status_consistent(self) -> EngineResult:
+        present = self.present_metrics()
+        if self.status == Status.OK:
+            missing = [m for m in REQUIRED_METRICS if m not in present]
+            if missing:
+                raise ValueError(
+                    f"status OK but metrics missing: {', '.join(missing)} "
+                    "(an unmeasured metric makes the row PARTIAL, with a warning)"
+                )
+        elif self.status == Status.PARTIAL:
+            if len(present) == len(REQUIRED_METRICS):
+                raise ValueError("status PARTIAL but every metric is present; use OK")
+            if not self.warnings:
+                raise ValueError("status PARTIAL needs a warning saying which metric is absent and why")
+        elif present:
+            raise ValueError(f"status {self.status.value} must carry no metrics, found: {', '.join(present)}")
+        if self.status in REASON_REQUIRED and not (self.reason and self.reason.strip()):
+            raise ValueError(f"status {self.status.value} needs a reason")
+        return self
+
+    def present_metrics(self) -> list[str]:
+        return [m for m in REQUIRED_METRICS if getattr(self, m) is not None]
+
+    def missing_metrics(self) -> list[str]:
+        return [m for m in REQUIRED_METRICS if getattr(self, m) is None]
+
+
+_IDENTITY = ("model", "draft", "baseline", "block_size", "concurrency", "repeat")
+
+
+class Row(EngineResult):
+    """A stored row: upstream identity + draft, the engine's result, and pd-dflash bookkeeping."""
+
+    model: Annotated[str, Field(min_length=1)]
+    draft: str = ""
+    baseline: Baseline
+    block_size: Annotated[int, Field(ge=1, strict=True)]
+    concurrency: Annotated[int, Field(ge=1, strict=True)]
+    repeat: Annotated[int, Field(ge=0, strict=True)] = 0
+
+    #: Absent on upstream rows.
+    cell_id: str | None = None
+    sweep: str | None = None
+    attempt: Annotated[int, Field(ge=1)] = 1
+    #: Block sizes whose report groups this row fills (B0/B3 are measured once for all of them).
+    block_sizes_covered: list[int] | None = None
+    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
+    #: Host, device, driver, package versions, git revision of the runner that measured the row.
+    environment: dict[str, Any] | None = None
+    #: Which runner measured it: node id/ip, GPU ids Ray assigned, actor pid.
+    runner: dict[str, Any] | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+
+    @model_validator(mode="after")
+    def _acceptance_in_range(self) -> Row:
+        a = self.acceptance_length_a
+        if a is not None and self.status in MEASURED_STATUSES:
+            # τ counts committed tokens per round including the bonus token: 1 ≤ τ ≤ B (B0/B3: exactly 1).
+            if a < 1.0 - 1e-9 or a > self.block_size + 1e-9:
+                raise ValueError(f"acceptance_length_a must lie in [1, block_size={self.block_size}], got {a}")
+        return self
+
+    @property
+    def identity(self) -> tuple[str, str, int, int, int]:
+        return (self.model, self.baseline, self.block_size, self.concurrency, self.repeat)
+
+    @classmethod
+    def from_result(cls, cell: Cell, result: EngineResult, **bookkeeping: Any) -> Row:
+        """Attach a cell's identity and bookkeeping to an engine result (re-validating everything)."""
+        data = result.model_dump(exclude_none=False)
+        data.update(_cell_fields(cell))
+        data.update(bookkeeping)
+        return cls.model_validate(data)
+
+    @classmethod
+    def without_metrics(cls, cell: Cell, status: Status, reason: str, **bookkeeping: Any) -> Row:
+        """A row for a cell that was not measured (blocked, refused, errored, timed out)."""
+        return cls.model_validate({**_cell_fields(cell), "status": status, "reason": reason, **bookkeeping})
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The stored form: identity first, metrics in upstream order, absent fields omitted (as upstream)."""
+        data = self.model_dump(mode="json", exclude_none=True)
+        if not data.get("warnings"):
+            data.pop("warnings", None)
+        if not data.get("latency"):
+            data.pop("latency", None)
+        for empty in ("engine", "timings"):
+            if not data.get(empty):
+                data.pop(empty, None)
+        ordered = {k: data.pop(k) for k in (*_IDENTITY, *REQUIRED_METRICS) if k in data}
+        ordered.update(data)
+        return ordered
+
+
+def _cell_fields(cell: Cell) -> dict[str, Any]:
+    return {
+        "model": cell.model,
+        "draft": cell.draft,
+        "baseline": cell.baseline,
+        "block_size": cell.block_size,
+        "concurrency": cell.concurrency,
+        "repeat": cell.repeat,
+        "cell_id": cell.cell_id,
+        "block_sizes_covered": list(cell.block_sizes_covered),
+        "max_new_tokens": cell.max_new_tokens,
+    }
+
+
+def parse_row(obj: Any, *, where: str) -> Row:
+    """Validate one row object; errors name the place (file:line) and the field."""
+    if not isinstance(obj, dict):
+        raise InputError(f"a row must be a JSON object, got {type(obj).__name__}", where=where)
+    try:
+        return Row.model_validate(obj)
+    except ValidationError as exc:
+        raise InputError(format_validation_error(exc), where=where) from None

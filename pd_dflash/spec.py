@@ -1,0 +1,405 @@
+"""The sweep spec (YAML, validated strictly) and its expansion into cells with stable ids.
+
+A spec names the §8 matrix of the upstream design: models × baselines × block sizes × concurrency × repeats.
+Expansion is deterministic; a cell id hashes the cell identity and every spec field that changes the
+measurement, so a stored row can be matched to its cell across runs (resume) and never silently reused for a
+different measurement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pd_dflash.errors import InputError, format_validation_error
+
+Baseline = Literal["B0", "B1", "B2", "B3", "OURS"]
+BASELINE_ORDER: tuple[str, ...] = ("B0", "B1", "B2", "B3", "OURS")
+#: Upstream's description strings (research/upstream-phase-a.md §1), kept verbatim.
+BASELINE_DESCRIPTIONS: dict[str, str] = {
+    "B0": "AR MoE on MoE-Infinity, offloaded, no speculative decoding",
+    "B1": "DFlash with unchanged AR prefetcher",
+    "B2": "DFlash with token-deficit scheduler and no expert-byte coupling",
+    "B3": "target experts resident, no offload upper bound",
+    "OURS": "DFlash with route-ahead prefetch and the 2-D co-designed scheduler",
+}
+#: Baselines that must really be offloaded (upstream refuses them when nothing is offloaded).
+OFFLOADED_BASELINES = frozenset({"B0", "B1", "B2", "OURS"})
+#: Baselines that decode speculatively with a block of B tokens.
+SPECULATIVE_BASELINES = frozenset({"B1", "B2", "OURS"})
+#: Baselines whose measurement does not depend on the block size: measured once per (model, c, repeat).
+BLOCK_INDEPENDENT_BASELINES = frozenset({"B0", "B3"})
+#: Upstream refuses an offloaded ratio at or above this: the model would not offload.
+OFFLOAD_RATIO_LIMIT = 0.9
+#: Built-in engines; a custom engine is named ``package.module:ClassName``.
+BUILTIN_ENGINES = ("reference", "moe_infinity")
+_CUSTOM_ENGINE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _unique(values: list, field: str) -> list:
+    seen = set()
+    for v in values:
+        if v in seen:
+            raise ValueError(f"duplicate value {v!r} in {field}")
+        seen.add(v)
+    return values
+
+
+class ModelSpec(_Strict):
+    """One target model: its id (HF id, local path, or a reference-engine preset name) and its drafter."""
+
+    id: Annotated[str, Field(min_length=1)]
+    draft: str = ""
+    offload_dir: str | None = None
+    preset: str | None = None
+    #: Engine-specific options, validated by the engine's own options model (pd_dflash.engine.registry).
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+
+
+class Workload(_Strict):
+    requests: Annotated[int, Field(ge=1)] = 64
+    warmup_rounds: Annotated[int, Field(ge=0)] = 5
+    #: An integer, or "auto" = max(4·B, 32) as upstream (B = the largest block size for B0/B3, see docs).
+    max_new_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    #: "synthetic" (the reference presets' language) or a path to a prompt file (one prompt per line).
+    prompts: Annotated[str, Field(min_length=1)] = "synthetic"
+    #: Prompt length in tokens for synthetic prompts (file prompts keep their own length).
+    prompt_tokens: Annotated[int, Field(ge=1)] = 32
+    #: 0 is greedy (lossless against AR, upstream's setting); > 0 uses speculative sampling.
+    temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
+    seed: int = 1408
+
+    def resolve_max_new_tokens(self, block_size: int) -> int:
+        if self.max_new_tokens == "auto":
+            return max(4 * block_size, 32)
+        return int(self.max_new_tokens)
+
+
+class Memory(_Strict):
+    #: Device memory ratio for offloaded configurations (MoE-Infinity's knob). ≥ 0.9 would not offload.
+    device_memory_ratio: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 0.85
+    #: Ratio for B3 (experts resident).
+    resident_memory_ratio: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 0.98
+    #: Reference engine: device expert-cache capacity as a fraction of all routed-expert bytes (offloaded cells).
+    expert_cache_fraction: Annotated[float, Field(gt=0.0, lt=1.0, allow_inf_nan=False)] | None = None
+
+    @field_validator("device_memory_ratio")
+    @classmethod
+    def _must_offload(cls, v: float) -> float:
+        if v >= OFFLOAD_RATIO_LIMIT:
+            raise ValueError(
+                f"{v} would not offload any expert (upstream refuses ratios >= {OFFLOAD_RATIO_LIMIT}); "
+                "use a value below 0.9 for offloaded configurations"
+            )
+        return v
+
+
+class SLO(_Strict):
+    """Service-level objectives for goodput (vLLM's definition: a request counts only if it meets all)."""
+
+    ttft_ms: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    tpot_ms: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+
+
+class Hardware(_Strict):
+    #: Ray accelerator type the runners request (Ray >= 2.57 names RTX PRO 6000 Blackwell "RTX-PRO-6000").
+    accelerator_type: Annotated[str, Field(min_length=1)] | None = "RTX-PRO-6000"
+    #: Optional custom resource each runner requests one unit of (e.g. ``rtx_pro_6000`` from ``ray start``).
+    custom_resource: str | None = None
+    #: Substring the NVML device name must contain; default derived from the accelerator type.
+    gpu_name: str | None = None
+    compute_capability: tuple[int, int] | None = (12, 0)
+    gpus_per_cell: Annotated[int, Field(ge=1)] = 1
+    cpus_per_runner: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
+    #: Where the engine runs: "auto" = CUDA when available, else CPU.
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+
+    @property
+    def expected_gpu_name(self) -> str | None:
+        if self.gpu_name:
+            return self.gpu_name
+        return self.accelerator_type.replace("-", " ") if self.accelerator_type else None
+
+
+class Gates(_Strict):
+    """Go/no-go thresholds; they change the verdict, never the measurement (not part of the cell id)."""
+
+    min_coverage: Annotated[float, Field(ge=0.0, le=1.0)] = 0.8
+    max_waste_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    #: Every configuration's tokens/s over B0 must reach this (1.0 = not slower than B0).
+    min_speedup_over_b0: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
+    #: Check the design's ordering B0 < B1 < OURS <= B3 in tokens/s.
+    require_ordering: bool = True
+    #: Baselines whose blocked rows do not make a group incomplete (upstream's --allow-blocked).
+    allow_blocked: list[Baseline] = Field(default_factory=list)
+
+
+class Local(_Strict):
+    """Settings for local mode (a single-node Ray cluster started by `pd-dflash run` without an address)."""
+
+    fake_gpus: Annotated[int, Field(ge=1)] = 2
+    num_cpus: Annotated[int, Field(ge=1)] | None = None
+    object_store_mb: Annotated[int, Field(ge=75)] = 128
+
+
+class SweepSpec(_Strict):
+    name: Annotated[str, Field(min_length=1)]
+    engine: str = "reference"
+    models: Annotated[list[ModelSpec], Field(min_length=1)]
+    baselines: Annotated[list[Baseline], Field(min_length=1)]
+    block_sizes: Annotated[list[Annotated[int, Field(ge=2)]], Field(min_length=1)]
+    concurrency: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)]
+    repeats: Annotated[int, Field(ge=1)] = 3
+    workload: Workload = Field(default_factory=Workload)
+    memory: Memory = Field(default_factory=Memory)
+    slo: SLO = Field(default_factory=SLO)
+    hardware: Hardware = Field(default_factory=Hardware)
+    env: dict[str, str] = Field(default_factory=dict)
+    gates: Gates = Field(default_factory=Gates)
+    local: Local = Field(default_factory=Local)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("must be letters, digits, '.', '_' or '-' (it names the sweep and its job)")
+        return v
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, v: str) -> str:
+        if v not in BUILTIN_ENGINES and not _CUSTOM_ENGINE.match(v):
+            raise ValueError(f"unknown engine {v!r}: use one of {', '.join(BUILTIN_ENGINES)} or 'module:Class'")
+        return v
+
+    @field_validator("baselines")
+    @classmethod
+    def _baselines(cls, v: list[str]) -> list[str]:
+        return _unique(v, "baselines")
+
+    @field_validator("block_sizes")
+    @classmethod
+    def _block_sizes(cls, v: list[int]) -> list[int]:
+        return _unique(v, "block_sizes")
+
+    @field_validator("concurrency")
+    @classmethod
+    def _concurrency(cls, v: list[int]) -> list[int]:
+        return _unique(v, "concurrency")
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, v: list[ModelSpec]) -> list[ModelSpec]:
+        _unique([m.id for m in v], "models[].id")
+        return v
+
+    @model_validator(mode="after")
+    def _engine_options(self) -> SweepSpec:
+        # Validate engine options now (plan must reject them) without importing any engine.
+        from pd_dflash.engine.registry import validate_engine_options
+
+        for i, m in enumerate(self.models):
+            validate_engine_options(self.engine, m, where=f"models.{i}")
+        return self
+
+    # -- derived -------------------------------------------------------------------------------------------
+    def model(self, model_id: str) -> ModelSpec:
+        for m in self.models:
+            if m.id == model_id:
+                return m
+        raise KeyError(model_id)
+
+    def fingerprint(self) -> str:
+        """Hash of everything that changes measurements (not the name, the gates or local-mode sizing)."""
+        body = self.model_dump(mode="json", exclude={"name", "gates", "local"})
+        return _digest(body)[:16]
+
+
+class Cell(_Strict):
+    """One unit of work: a row of the matrix, measured by one runner."""
+
+    cell_id: str
+    model: str
+    draft: str
+    baseline: Baseline
+    block_size: int
+    concurrency: int
+    repeat: int
+    #: Block sizes whose report groups this row fills (all of them for B0/B3, else just ``block_size``).
+    block_sizes_covered: tuple[int, ...]
+    max_new_tokens: int
+    offloaded: bool
+    #: The memory ratio this cell loads with (device_memory_ratio, or resident_memory_ratio for B3).
+    memory_ratio: float
+
+    @property
+    def identity(self) -> tuple[str, str, int, int, int]:
+        return (self.model, self.baseline, self.block_size, self.concurrency, self.repeat)
+
+    @property
+    def speculative(self) -> bool:
+        return self.baseline in SPECULATIVE_BASELINES
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _cell_id(spec: SweepSpec, model: ModelSpec, fields: dict[str, Any]) -> str:
+    measured = {
+        "cell": fields,
+        "engine": spec.engine,
+        "model": model.model_dump(mode="json"),
+        "workload": spec.workload.model_dump(mode="json", exclude={"max_new_tokens"}),
+        "expert_cache_fraction": spec.memory.expert_cache_fraction,
+        "slo": spec.slo.model_dump(mode="json"),
+        "hardware": spec.hardware.model_dump(mode="json", exclude={"cpus_per_runner", "custom_resource"}),
+        "env": spec.env,
+    }
+    return _digest(measured)[:16]
+
+
+def expand(spec: SweepSpec) -> list[Cell]:
+    """All cells of the spec, in a deterministic order (model, baseline, block size, concurrency, repeat).
+
+    B0 and B3 do not depend on the block size: they get one cell per (model, c, repeat), recorded at the
+    smallest block size and covering every block size (the report places the row in each group).
+    """
+    cells: list[Cell] = []
+    smallest, largest = min(spec.block_sizes), max(spec.block_sizes)
+    for model in spec.models:
+        for baseline in spec.baselines:
+            independent = baseline in BLOCK_INDEPENDENT_BASELINES
+            block_sizes = [smallest] if independent else spec.block_sizes
+            for block_size in block_sizes:
+                covered = tuple(sorted(spec.block_sizes)) if independent else (block_size,)
+                # auto max_new_tokens follows the largest block this row stands for, so B0/B3 rows are the
+                # same measurement whichever block-size group shows them.
+                max_new = spec.workload.resolve_max_new_tokens(largest if independent else block_size)
+                offloaded = baseline in OFFLOADED_BASELINES
+                ratio = spec.memory.device_memory_ratio if offloaded else spec.memory.resident_memory_ratio
+                for conc in spec.concurrency:
+                    for repeat in range(spec.repeats):
+                        fields = {
+                            "model": model.id,
+                            "draft": model.draft if baseline != "B0" else "",
+                            "baseline": baseline,
+                            "block_size": block_size,
+                            "concurrency": conc,
+                            "repeat": repeat,
+                            "block_sizes_covered": list(covered),
+                            "max_new_tokens": max_new,
+                            "offloaded": offloaded,
+                            "memory_ratio": ratio,
+                        }
+                        cells.append(Cell(cell_id=_cell_id(spec, model, fields), **fields))
+    return cells
+
+
+# -- loading ----------------------------------------------------------------------------------------------
+
+
+def parse_spec(data: Any, *, source: str = "<spec>") -> SweepSpec:
+    if not isinstance(data, dict):
+        raise InputError(f"a sweep spec must be a mapping, got {type(data).__name__}", where=source)
+    try:
+        return SweepSpec.model_validate(data)
+    except ValidationError as exc:
+        raise InputError(format_validation_error(exc), where=source) from None
+
+
+def load_spec(path: str | Path) -> SweepSpec:
+    """Read a YAML spec with the safe loader (nothing is ever unpickled) and validate it strictly."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InputError(f"cannot read spec: {exc.strerror or exc}", where=str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise InputError(f"invalid YAML: {getattr(exc, 'problem', None) or exc}", where=where) from None
+    return parse_spec(data, source=str(path))
+
+
+# -- planning ---------------------------------------------------------------------------------------------
+
+
+def plan(spec: SweepSpec) -> dict[str, Any]:
+    """The plan `pd-dflash plan` prints: cells, counts per model × baseline, de-duplication savings, blocks."""
+    from pd_dflash.engine.registry import blocked_reason
+
+    cells = expand(spec)
+    per_model: dict[str, dict[str, int]] = {}
+    for c in cells:
+        per_model.setdefault(c.model, {}).setdefault(c.baseline, 0)
+        per_model[c.model][c.baseline] += 1
+    saved = {
+        f"{m.id}|{b}": (len(spec.block_sizes) - 1) * len(spec.concurrency) * spec.repeats
+        for m in spec.models
+        for b in spec.baselines
+        if b in BLOCK_INDEPENDENT_BASELINES and len(spec.block_sizes) > 1
+    }
+    blocked = []
+    for c in cells:
+        reason = blocked_reason(spec.engine, c)
+        if reason:
+            blocked.append({"cell_id": c.cell_id, "model": c.model, "baseline": c.baseline, "reason": reason})
+    upstream_rows = len(spec.models) * len(spec.baselines) * len(spec.block_sizes) * len(spec.concurrency)
+    counts = {
+        "total": len(cells),
+        "to_run": len(cells) - len(blocked),
+        "blocked": len(blocked),
+        "per_model_baseline": per_model,
+        "saved_by_block_dedup": sum(saved.values()),
+        "saved_by_block_dedup_detail": saved,
+        "report_rows_per_repeat": upstream_rows,
+        "fingerprint": spec.fingerprint(),
+    }
+    return {"cells": [c.model_dump(mode="json") for c in cells], "counts": counts, "blocked": blocked}
+
+
+def render_plan(spec: SweepSpec, planned: dict[str, Any]) -> str:
+    counts = planned["counts"]
+    lines = [
+        f"sweep {spec.name}: engine {spec.engine}, fingerprint {counts['fingerprint']}",
+        f"axes: {len(spec.models)} models x {len(spec.baselines)} baselines x block sizes {spec.block_sizes} "
+        f"x concurrency {spec.concurrency} x {spec.repeats} repeats",
+        "",
+        "cells per model x baseline:",
+    ]
+    width = max(len(m) for m in counts["per_model_baseline"])
+    for model, by_b in counts["per_model_baseline"].items():
+        parts = "  ".join(f"{b}={n}" for b, n in by_b.items())
+        lines.append(f"  {model:<{width}}  {parts}  (total {sum(by_b.values())})")
+    if counts["saved_by_block_dedup"]:
+        lines.append(
+            f"B0/B3 measured once per (model, c, repeat) and shown in every block-size group: "
+            f"{counts['saved_by_block_dedup']} cells saved"
+        )
+    if planned["blocked"]:
+        lines.append(f"blocked cells: {len(planned['blocked'])}")
+        reasons: dict[str, int] = {}
+        for b in planned["blocked"]:
+            key = f"{b['baseline']}: {b['reason']}"
+            reasons[key] = reasons.get(key, 0) + 1
+        lines.extend(f"  {n} x {r}" for r, n in sorted(reasons.items()))
+    lines.append(
+        f"total: {counts['total']} cells ({counts['to_run']} to run, {counts['blocked']} blocked); "
+        f"{counts['report_rows_per_repeat']} report rows per repeat"
+    )
+    return "\n".join(lines)
+
