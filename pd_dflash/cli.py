@@ -22,7 +22,11 @@ def _plan(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     planned = plan(spec)
     if args.json:
-        print(json.dumps({"cells": planned["cells"], "counts": planned["counts"], "blocked": planned["blocked"]}))
+        print(
+            json.dumps(
+                {"cells": planned["cells"], "counts": planned["counts"], "blocked": planned["blocked"]}
+            )
+        )
     else:
         print(render_plan(spec, planned))
     return 0
@@ -55,8 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="rows.jsonl files or upstream raw row files")
     p.add_argument("--out", required=True, help="directory for result_matrix.json/.csv/.md")
     p.add_argument("--spec", help="sweep spec whose gates to apply (default: built-in gate thresholds)")
-    p.add_argument("--allow-blocked", nargs="*", default=None, metavar="BASELINE",
-                   help="baselines whose blocked rows do not make a group incomplete (e.g. B2)")
+    p.add_argument(
+        "--allow-blocked",
+        nargs="*",
+        default=None,
+        metavar="BASELINE",
+        help="baselines whose blocked rows do not make a group incomplete (e.g. B2)",
+    )
     p.add_argument("--plots", action="store_true", help="also write PNG plots")
     p.set_defaults(func=_lazy("pd_dflash.report:report_main"))
 
@@ -64,14 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("matrix", help="result_matrix.json")
     p.set_defaults(func=_lazy("pd_dflash.report:validate_main"))
 
-    p = sub.add_parser("run", help="run a sweep on a Ray cluster (local single-node cluster without --address)")
+    p = sub.add_parser(
+        "run", help="run a sweep on a Ray cluster (local single-node cluster without --address)"
+    )
     p.add_argument("spec", help="sweep spec (YAML)")
     p.add_argument("--out", required=True, help="results directory (absolute on a cluster's head box)")
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local cluster)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="skip cells already stored in OUT (default)")
-    mode.add_argument("--restart", action="store_true",
-                      help="archive OUT's rows and start over (also accepts a changed spec)")
+    mode.add_argument(
+        "--restart",
+        action="store_true",
+        help="archive OUT's rows and start over (also accepts a changed spec)",
+    )
     mode.add_argument("--retry-errors", action="store_true", help="rerun only ERROR/TIMEOUT cells")
     p.add_argument("--max-attempts", type=int, default=3, help="attempts per cell after runner deaths")
     p.add_argument("--cell-timeout", type=float, default=None, help="seconds before a cell is killed")
@@ -85,10 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("overlap", help="BM4 H2D/compute overlap from nsys stats CSV exports")
     p.add_argument("--gpu-trace", required=True, help="nsys stats --report cuda_gpu_trace CSV")
     p.add_argument("--nvtx-trace", required=True, help="nsys stats --report nvtx_pushpop_trace CSV")
-    p.add_argument("--compute-range", nargs="+", default=None,
-                   help="NVTX ranges that hide transfers (default: dflash_draft route_ahead_router target_verify)")
-    p.add_argument("--h2d-gbps", type=float, default=None,
-                   help="measured H2D bandwidth (GB/s) to convert overlapped bytes into seconds")
+    p.add_argument(
+        "--compute-range",
+        nargs="+",
+        default=None,
+        help="NVTX ranges that hide transfers (default: dflash_draft route_ahead_router target_verify)",
+    )
+    p.add_argument(
+        "--h2d-gbps",
+        type=float,
+        default=None,
+        help="measured H2D bandwidth (GB/s) to convert overlapped bytes into seconds",
+    )
     p.add_argument("--output", help="write the BM4 JSON here as well as to stdout")
     p.set_defaults(func=_lazy("pd_dflash.overlap:overlap_main"))
     return parser

@@ -11,7 +11,9 @@ import math
 from pd_dflash.schema import HideInequality
 
 
-def _check(name: str, value: float, *, low: float = 0.0, high: float | None = None, strict: bool = False) -> float:
+def _check(
+    name: str, value: float, *, low: float = 0.0, high: float | None = None, strict: bool = False
+) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if value < low or (strict and value == low):

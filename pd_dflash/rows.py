@@ -69,7 +69,11 @@ def _read_jsonl(path: Path, raw: bytes, tolerate_torn_tail: bool) -> tuple[list[
             is_last = all(not rest.strip() for rest in lines[lineno:])
             if is_last and tolerate_torn_tail:
                 return rows, TornTail(offset=start, text=line.decode("utf-8", "replace"))
-            hint = " (torn last line: a write cut by a crash; `pd-dflash run --resume` repairs it)" if is_last else ""
+            hint = (
+                " (torn last line: a write cut by a crash; `pd-dflash run --resume` repairs it)"
+                if is_last
+                else ""
+            )
             raise InputError(f"invalid JSON: {exc.msg}{hint}", where=f"{path}:{lineno}") from None
         rows.append(parse_row(obj, where=f"{path}:{lineno}"))
     return rows, None

@@ -290,10 +290,10 @@ class Row(EngineResult):
     @model_validator(mode="after")
     def _acceptance_in_range(self) -> Row:
         a = self.acceptance_length_a
-        if a is not None and self.status in MEASURED_STATUSES:
-            # τ counts committed tokens per round including the bonus token: 1 ≤ τ ≤ B (B0/B3: exactly 1).
-            if a < 1.0 - 1e-9 or a > self.block_size + 1e-9:
-                raise ValueError(f"acceptance_length_a must lie in [1, block_size={self.block_size}], got {a}")
+        # τ counts committed tokens per round including the bonus token: 1 ≤ τ ≤ B (B0/B3: exactly 1).
+        out_of_range = a is not None and (a < 1.0 - 1e-9 or a > self.block_size + 1e-9)
+        if out_of_range and self.status in MEASURED_STATUSES:
+            raise ValueError(f"acceptance_length_a must lie in [1, block_size={self.block_size}], got {a}")
         return self
 
     @property

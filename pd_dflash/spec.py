@@ -180,7 +180,9 @@ class SweepSpec(_Strict):
     @classmethod
     def _engine(cls, v: str) -> str:
         if v not in BUILTIN_ENGINES and not _CUSTOM_ENGINE.match(v):
-            raise ValueError(f"unknown engine {v!r}: use one of {', '.join(BUILTIN_ENGINES)} or 'module:Class'")
+            raise ValueError(
+                f"unknown engine {v!r}: use one of {', '.join(BUILTIN_ENGINES)} or 'module:Class'"
+            )
         return v
 
     @field_validator("baselines")
@@ -402,4 +404,3 @@ def render_plan(spec: SweepSpec, planned: dict[str, Any]) -> str:
         f"{counts['report_rows_per_repeat']} report rows per repeat"
     )
     return "\n".join(lines)
-

@@ -27,8 +27,15 @@ METRICS = {
 
 
 def upstream_row(**over):
-    row = {"model": "openai/gpt-oss-20b", "draft": "z-lab/gpt-oss-20b-DFlash", "baseline": "OURS",
-           "block_size": 16, "concurrency": 1, "repeat": 0, **METRICS}
+    row = {
+        "model": "openai/gpt-oss-20b",
+        "draft": "z-lab/gpt-oss-20b-DFlash",
+        "baseline": "OURS",
+        "block_size": 16,
+        "concurrency": 1,
+        "repeat": 0,
+        **METRICS,
+    }
     row.update(over)
     return row
 
@@ -109,8 +116,16 @@ def test_route_ahead_keys_are_upstreams_in_order():
 
 
 def test_row_from_result_and_json_order():
-    spec = parse_spec({"name": "t", "models": [{"id": "m", "draft": "d"}], "baselines": ["OURS"],
-                       "block_sizes": [8], "concurrency": [2], "repeats": 1})
+    spec = parse_spec(
+        {
+            "name": "t",
+            "models": [{"id": "m", "draft": "d"}],
+            "baselines": ["OURS"],
+            "block_sizes": [8],
+            "concurrency": [2],
+            "repeats": 1,
+        }
+    )
     cell = expand(spec)[0]
     row = Row.from_result(cell, EngineResult(**{**METRICS, "acceptance_length_a": 4.0}), attempt=2)
     data = row.to_json_dict()
@@ -149,6 +164,8 @@ def test_upstream_list_and_single_object_files(tmp_path):
     single = tmp_path / "one.json"
     single.write_text(json.dumps(upstream_row()))
     assert len(read_rows(lst)[0]) == 2 and len(read_rows(single)[0]) == 1
-    lst.write_text(json.dumps([upstream_row(), upstream_row(ttft_seconds=math.inf)]).replace("Infinity", "1e999"))
+    lst.write_text(
+        json.dumps([upstream_row(), upstream_row(ttft_seconds=math.inf)]).replace("Infinity", "1e999")
+    )
     with pytest.raises(InputError, match=r"qwen\.json\[1\].*ttft_seconds"):
         read_rows(lst)

@@ -44,7 +44,9 @@ def test_phase_a_plan_counts():
 def test_plan_cli_json_has_cells_and_counts():
     out = subprocess.run(
         [sys.executable, "-m", "pd_dflash", "plan", str(REPO / "jobs" / "phase_a.yaml"), "--json"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     data = json.loads(out.stdout)
     assert set(data) >= {"cells", "counts"}
@@ -73,7 +75,10 @@ def test_block_independent_baselines_are_measured_once():
 
 def test_cell_id_changes_with_measurement_fields_only():
     ids = {c.identity: c.cell_id for c in expand(parse_spec(base_spec()))}
-    same = {c.identity: c.cell_id for c in expand(parse_spec(base_spec(name="other", gates={"min_coverage": 0.1})))}
+    same = {
+        c.identity: c.cell_id
+        for c in expand(parse_spec(base_spec(name="other", gates={"min_coverage": 0.1})))
+    }
     assert ids == same
     seeded = {c.identity: c.cell_id for c in expand(parse_spec(base_spec(workload={"seed": 7})))}
     assert not set(ids.values()) & set(seeded.values())
@@ -103,7 +108,10 @@ def test_fingerprint_ignores_gates_and_name_but_not_axes():
         ({"workload": {"requests": 0}}, "workload.requests"),
         ({"workload": {"max_new_tokens": "lots"}}, "workload.max_new_tokens"),
         ({"engine": "tensorrt"}, "engine"),
-        ({"models": [{"id": "m", "engine_options": {"warp_drive": True}}]}, "models.0.engine_options.warp_drive"),
+        (
+            {"models": [{"id": "m", "engine_options": {"warp_drive": True}}]},
+            "models.0.engine_options.warp_drive",
+        ),
         ({"models": [{"id": "m"}, {"id": "m"}]}, "models"),
     ],
 )
@@ -116,7 +124,9 @@ def test_bad_spec_names_the_field(over, field):
 def test_bad_spec_cli_exits_2_and_writes_nothing(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(base_spec(block_sizes=[1, 8])))
-    out = subprocess.run([sys.executable, "-m", "pd_dflash", "plan", str(bad)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pd_dflash", "plan", str(bad)], capture_output=True, text=True
+    )
     assert out.returncode == 2
     assert "block_sizes.0" in out.stderr and str(bad) in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
