@@ -107,11 +107,11 @@ def repair_torn_tail(path: str | Path, torn: TornTail) -> Path:
     return aside
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write a whole file atomically (temp file in the same directory, fsync, rename)."""
+def write_atomic(path: str | Path, text: str | bytes) -> None:
+    """Write a whole file atomically (temp file in the same directory, fsync, rename); text or bytes."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with open(tmp, "wb") if isinstance(text, bytes) else open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
