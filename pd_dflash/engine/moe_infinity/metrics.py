@@ -1,0 +1,243 @@
+"""Metric extraction for the MoE-Infinity adapter: native accessors, per-request latencies, acceptance.
+
+Upstream (``_serving_measure.py``, research/upstream-phase-a.md §2) tried a few accessor names and fell back to
+0.0 with a warning. Here a metric without an accessor is *absent*: its value is None, the warning keeps
+upstream's metric name at the start of the string and says it is absent, and the row becomes PARTIAL.
+
+Per-request definitions follow vLLM's ``benchmarks/serve.py`` (engine-anchors.md §1.5): TTFT = submit → first
+token; E2E = submit → last token; TPOT = (E2E − TTFT)/(tokens − 1), 0 for a single token; a round (chunk) is a
+serving step in which a request received tokens, and the round latency is the gap between a request's
+consecutive chunks (chunk-level ITL). Pure Python: no torch, no moe_infinity.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd_dflash.schema import LatencyStats
+
+#: Adapted from upstream's "<metric> fell back to 0.0" strings (§2); the metric name stays first.
+ABSENT = {
+    "expert_cache_hit_rate": (
+        "expert_cache_hit_rate absent: no native hit-rate accessor on this MoE-Infinity build "
+        "(upstream fell back to 0.0)"
+    ),
+    "expert_occupancy_bytes": (
+        "expert_occupancy_bytes absent: no native occupancy accessor on this MoE-Infinity build "
+        "(upstream fell back to 0.0)"
+    ),
+    "kv_occupancy_bytes": (
+        "kv_occupancy_bytes absent: neither the serving KV allocator nor a native accessor reported "
+        "occupancy (upstream fell back to 0.0)"
+    ),
+    "wasted_prefetch_bytes": (
+        "wasted_prefetch_bytes unavailable from RouteAheadStats; a route-ahead configuration on offloaded "
+        "experts must report real bytes (absent: no native wasted-bytes accessor either)"
+    ),
+    "measured_h2d_bytes_per_second": (
+        "measured_h2d_bytes_per_second absent: no CUDA device to probe; the hide inequality needs a "
+        "measured host-to-device bandwidth"
+    ),
+    "acceptance_length_a": (
+        "acceptance_length_a absent: no verify round result was observed (upstream fell back to 1.0)"
+    ),
+    "route_ahead_prefetch_coverage": (
+        "route_ahead_prefetch_coverage absent: RouteAheadStats saw no routed expert, so upstream's 1.0 would "
+        "be vacuous (the route-ahead seam never fired)"
+    ),
+    "exposed_fetch_seconds": "exposed_fetch_seconds absent: no get_exposed_fetch_seconds accessor",
+}
+HIT_RATE_CUMULATIVE = (
+    "expert_cache_hit_rate covers everything since the model load: this build has no "
+    "clear_expert_cache_counts to restart the counters after warm-up"
+)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def read_number(candidates: Iterable[tuple[str, Any, str]]) -> tuple[float | None, str | None]:
+    """The first finite number among ``(label, obj, attribute)`` candidates, calling it if callable.
+
+    Returns ``(value, "label.attribute")``, or ``(None, note)`` where the note lists accessors that raised.
+    """
+    errors = []
+    for label, obj, name in candidates:
+        if obj is None:
+            continue
+        value = getattr(obj, name, None)
+        if callable(value):
+            try:
+                value = value()
+            except Exception as exc:  # a native accessor that is not ready is an absent metric, not a crash
+                errors.append(f"{label}.{name} raised {type(exc).__name__}: {exc}")
+                continue
+        number = _number(value)
+        if number is not None:
+            return number, f"{label}.{name}"
+    return None, "; ".join(errors) or None
+
+
+def _prefetcher(engine: Any) -> Any:
+    return getattr(engine, "expert_prefetcher", None)
+
+
+def hit_rate(engine: Any) -> tuple[float | None, str | None]:
+    p = _prefetcher(engine)
+    return read_number(
+        [
+            ("engine", engine, "expert_cache_hit_rate"),
+            ("expert_prefetcher", p, "get_hit_rate"),
+            ("expert_prefetcher", p, "hit_rate"),
+            ("expert_prefetcher", p, "expert_hit_rate"),
+            ("engine", engine, "get_hit_rate"),
+            ("engine", engine, "hit_rate"),
+        ]
+    )
+
+
+def expert_occupancy_bytes(engine: Any) -> tuple[float | None, str | None]:
+    return read_number(
+        [
+            ("engine", engine, "expert_occupancy_bytes"),
+            ("engine", engine, "get_expert_occupancy_bytes"),
+            ("expert_prefetcher", _prefetcher(engine), "expert_occupancy_bytes"),
+        ]
+    )
+
+
+def native_kv_occupancy_bytes(engine: Any) -> tuple[float | None, str | None]:
+    return read_number(
+        [("engine", engine, "kv_occupancy_bytes"), ("engine", engine, "get_kv_occupancy_bytes")]
+    )
+
+
+def native_wasted_prefetch_bytes(engine: Any) -> tuple[float | None, str | None]:
+    return read_number([("expert_prefetcher", _prefetcher(engine), "wasted_prefetch_bytes")])
+
+
+def exposed_fetch_seconds(engine: Any) -> tuple[float | None, str | None]:
+    return read_number([("engine", engine, "get_exposed_fetch_seconds")])
+
+
+def offloaded_experts(engine: Any) -> int:
+    """Upstream's count for the refusal rule: native counters first, then the per-expert byte map."""
+    for obj, name in ((engine, "num_offloaded_experts"), (engine, "offloaded_expert_count")):
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    p = _prefetcher(engine)
+    value = getattr(p, "num_offloaded_experts", None)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    nbytes = getattr(p, "expert_nbytes_map", None)
+    return len(nbytes) if isinstance(nbytes, dict) else 0
+
+
+def total_expert_bytes(engine: Any) -> int | None:
+    """Σ stored bytes of every routed expert (the design's M), from ``expert_nbytes_map``; None if unknown."""
+    nbytes = getattr(_prefetcher(engine), "expert_nbytes_map", None)
+    if isinstance(nbytes, dict) and nbytes:
+        return int(sum(int(v) for v in nbytes.values()))
+    return None
+
+
+def call_if_present(obj: Any, *path: str) -> bool:
+    """Call ``obj.a.b.c()`` when every step exists; True when it was called."""
+    for name in path[:-1]:
+        obj = getattr(obj, name, None)
+    fn = getattr(obj, path[-1], None) if obj is not None else None
+    if callable(fn):
+        fn()
+        return True
+    return False
+
+
+# -- per-request latencies ------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestTrace:
+    """What the adapter observes of one request through the serving engine's token callback."""
+
+    request_id: str
+    submitted: float
+    tokens: int = 0
+    first_token: float | None = None
+    finished: float | None = None
+    #: (serving step index, time) of each step in which the request received tokens.
+    chunks: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.submitted
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.submitted
+
+    @property
+    def tpot(self) -> float | None:
+        if self.e2e is None or self.ttft is None:
+            return None
+        return (self.e2e - self.ttft) / (self.tokens - 1) if self.tokens > 1 else 0.0
+
+    def chunk_gaps(self) -> list[float]:
+        times = [t for _, t in self.chunks]
+        return [b - a for a, b in itertools.pairwise(times)]
+
+
+def observed_max_in_flight(traces: Iterable[RequestTrace]) -> int:
+    """Most requests between their first and last chunk at one serving step (intervals inclusive)."""
+    events: list[tuple[int, int]] = []
+    for t in traces:
+        if t.chunks:
+            events.append((t.chunks[0][0], 1))
+            events.append((t.chunks[-1][0] + 1, -1))
+    live = best = 0
+    for _, delta in sorted(events):
+        live += delta
+        best = max(best, live)
+    return best
+
+
+def meets_slo(trace: RequestTrace, ttft_ms: float | None, tpot_ms: float | None) -> bool:
+    """vLLM's goodput rule: a request counts only if it meets every SLO given."""
+    if ttft_ms is not None and (trace.ttft is None or trace.ttft * 1000.0 > ttft_ms):
+        return False
+    return not (tpot_ms is not None and (trace.tpot is None or trace.tpot * 1000.0 > tpot_ms))
+
+
+def latency_stats(traces: list[RequestTrace], rounds: dict[str, list[float]]) -> dict[str, LatencyStats]:
+    """Distributions for the row's ``latency`` field (per request, and per round where observed)."""
+    samples: dict[str, list[float]] = {
+        "ttft_seconds": [t.ttft for t in traces if t.ttft is not None],
+        "tpot_seconds": [t.tpot for t in traces if t.tpot is not None],
+        "e2e_seconds": [t.e2e for t in traces if t.e2e is not None],
+        "round_seconds": [g for t in traces for g in t.chunk_gaps()],
+        **rounds,
+    }
+    out = {}
+    for name, values in samples.items():
+        stats = LatencyStats.from_samples(values)
+        if stats is not None:
+            out[name] = stats
+    return out
+
+
+def acceptance(committed_per_round: list[int], block_size: int) -> tuple[float | None, dict[int, int] | None]:
+    """τ = mean over rounds of min(accept + 1, B), as upstream, with the histogram of committed tokens."""
+    if not committed_per_round:
+        return None, None
+    clipped = [min(max(c, 1), block_size) for c in committed_per_round]
+    histogram: dict[int, int] = {}
+    for c in clipped:
+        histogram[c] = histogram.get(c, 0) + 1
+    return sum(clipped) / len(clipped), dict(sorted(histogram.items()))

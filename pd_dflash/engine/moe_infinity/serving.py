@@ -1,0 +1,231 @@
+"""Driving MoE-Infinity's ContinuousBatchingEngine as a closed-loop client with c requests in flight.
+
+The client keeps exactly ``concurrency`` requests submitted and unfinished (vLLM's ``--max-concurrency``): it
+tops up after every ``step()`` and times each request from its own submission, so TTFT does not include
+client-side queueing behind other requests. ``run_until_done()`` is the same loop without the top-up (it
+would submit every request at once and make TTFT mostly queueing time).
+
+What the adapter can observe: token callbacks (``on_token``) with the serving step they arrived in, the
+speculator's per-round seam (``draft_round`` / ``verify_round`` results and wall time, or ``step_trace`` after
+a whole-request ``generate``), and the paged KV allocator. What it cannot: when inside a step a token was
+computed, per-layer router time, and transfer timing (those come from nsys, ``pd-dflash overlap``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd_dflash.engine.moe_infinity.metrics import RequestTrace
+from pd_dflash.engine.nvtx_ranges import nvtx_range
+
+#: Consecutive steps without output before the loop calls it a stall (upstream's run_until_done raises at 1;
+#: a 2-D-scheduled step may legitimately only draft).
+MAX_IDLE_STEPS = 1024
+
+
+@dataclass
+class ClientRun:
+    traces: list[RequestTrace]
+    steps: int
+    elapsed: float
+
+
+def drive(
+    serving: Any,
+    prompts: list[list[int]],
+    *,
+    sampling_params: Callable[[], Any],
+    concurrency: int,
+    request_prefix: str,
+    sync: Callable[[], None] = lambda: None,
+    after_step: Callable[[], None] = lambda: None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> ClientRun:
+    """Serve every prompt with at most ``concurrency`` requests in flight; return per-request traces."""
+    queue = deque(enumerate(prompts))
+    active: dict[str, RequestTrace] = {}
+    traces: list[RequestTrace] = []
+    step = 0
+    idle = 0
+
+    def on_token(trace: RequestTrace) -> Callable[[Any], None]:
+        def record(output: Any) -> None:
+            now = clock()
+            trace.tokens += 1
+            if trace.first_token is None:
+                trace.first_token = now
+            if not trace.chunks or trace.chunks[-1][0] != step:
+                trace.chunks.append((step, now))
+            if getattr(output, "finished", False):
+                trace.finished = now
+
+        return record
+
+    sync()
+    start = clock()
+    while queue or active:
+        while queue and len(active) < concurrency:
+            index, ids = queue.popleft()
+            trace = RequestTrace(request_id=f"{request_prefix}{index}", submitted=clock())
+            serving.add_request(
+                request_id=trace.request_id,
+                prompt_token_ids=list(ids),
+                sampling_params=sampling_params(),
+                on_token=on_token(trace),
+            )
+            active[trace.request_id] = trace
+            traces.append(trace)
+        outputs = serving.step()
+        step += 1
+        after_step()
+        for rid in [rid for rid, t in active.items() if t.finished is not None]:
+            del active[rid]
+        idle = 0 if outputs else idle + 1
+        if idle > MAX_IDLE_STEPS:
+            raise RuntimeError(
+                f"serving engine made no progress for {MAX_IDLE_STEPS} steps with requests pending: "
+                f"{sorted(active)}"
+            )
+        if active and not serving.has_pending_requests():
+            raise RuntimeError(f"serving engine dropped unfinished requests: {sorted(active)}")
+    sync()
+    return ClientRun(traces=traces, steps=step, elapsed=max(clock() - start, 1e-9))
+
+
+@dataclass
+class RoundLog:
+    """Per-round observations from the speculator's seam during the timed loop."""
+
+    #: Tokens committed per verify round (accept + 1, bonus included).
+    committed: list[int] = field(default_factory=list)
+    draft_seconds: list[float] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
+    #: Expert bytes each drafted block declared to the verify scheduler (route-ahead projection).
+    demand_bytes: list[int] = field(default_factory=list)
+    #: Verify results without an ``accept`` (counted, never guessed).
+    missing_accept: int = 0
+    whole_request_generates: int = 0
+
+
+@contextmanager
+def record_rounds(speculator: Any, *, push_nvtx: bool, clock=time.perf_counter) -> Iterator[RoundLog]:
+    """Wrap the speculator's per-round seam on the instance; restore it afterwards.
+
+    ``push_nvtx``: emit ``dflash_draft`` / ``target_verify`` around the seam when the library does not emit them
+    itself (nested duplicates would double nsys's per-range sums).
+    """
+    log = RoundLog()
+    originals: dict[str, Any] = {}
+
+    def install(name: str, make: Callable[[Callable], Callable]) -> None:
+        fn = getattr(speculator, name, None)
+        if callable(fn):
+            originals[name] = vars(speculator).get(name, _MISSING)
+            setattr(speculator, name, make(fn))
+
+    def timed(name: str, sink: list[float]) -> Callable[[Callable], Callable]:
+        def make(fn: Callable) -> Callable:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                start = clock()
+                if push_nvtx:
+                    with nvtx_range(name):
+                        result = fn(*args, **kwargs)
+                else:
+                    result = fn(*args, **kwargs)
+                sink.append(clock() - start)
+                if name == "target_verify":
+                    accept = getattr(result, "accept", None)
+                    if isinstance(accept, int) and not isinstance(accept, bool):
+                        log.committed.append(accept + 1)
+                    else:
+                        log.missing_accept += 1
+                elif name == "dflash_draft":
+                    nbytes = getattr(result, "expert_bytes", None)
+                    if isinstance(nbytes, int) and not isinstance(nbytes, bool):
+                        log.demand_bytes.append(nbytes)
+                return result
+
+            return wrapper
+
+        return make
+
+    def whole_request(fn: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            log.whole_request_generates += 1
+            for step in getattr(speculator, "step_trace", None) or []:
+                accept = getattr(step, "accept", None)
+                if isinstance(accept, int) and not isinstance(accept, bool):
+                    log.committed.append(accept + 1)
+                else:
+                    log.missing_accept += 1
+            return result
+
+        return wrapper
+
+    install("draft_round", timed("dflash_draft", log.draft_seconds))
+    install("verify_round", timed("target_verify", log.verify_seconds))
+    install("generate", whole_request)
+    try:
+        yield log
+    finally:
+        for name, previous in originals.items():
+            if previous is _MISSING:
+                delattr(speculator, name)
+            else:
+                setattr(speculator, name, previous)
+
+
+_MISSING = object()
+
+
+@dataclass
+class KVPeak:
+    """Peak paged-KV blocks in use, sampled after every allocation and every serving step."""
+
+    allocator: Any
+    total_blocks: int | None
+    peak_blocks: int = 0
+
+    def sample(self) -> None:
+        free = getattr(self.allocator, "num_free_blocks", None)
+        if self.total_blocks is None or not isinstance(free, int):
+            return
+        self.peak_blocks = max(self.peak_blocks, self.total_blocks - free)
+
+
+@contextmanager
+def track_kv_peak(serving: Any) -> Iterator[KVPeak | None]:
+    kv_cache = getattr(serving, "kv_cache", None)
+    allocator = getattr(kv_cache, "block_allocator", None)
+    if allocator is None:
+        yield None
+        return
+    total = getattr(allocator, "num_blocks", None)
+    if not isinstance(total, int):
+        total = getattr(kv_cache, "num_blocks", None)
+    peak = KVPeak(allocator, total if isinstance(total, int) else None)
+    allocate = getattr(allocator, "allocate", None)
+    previous = vars(allocator).get("allocate", _MISSING) if hasattr(allocator, "__dict__") else _MISSING
+    if callable(allocate):
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            result = allocate(*args, **kwargs)
+            peak.sample()
+            return result
+
+        allocator.allocate = wrapped
+    peak.sample()
+    try:
+        yield peak
+    finally:
+        if callable(allocate):
+            if previous is _MISSING:
+                del allocator.allocate
+            else:
+                allocator.allocate = previous
