@@ -369,15 +369,21 @@ def overall(details: dict[str, dict[str, Any]]) -> dict[str, Any]:
         unevaluated.insert(
             0, f"{len(incomplete)}/{n} groups incomplete or invalid (e.g. {incomplete[0]}: {first})"
         )
+    # The one-line form: every failure with an example; what is missing only as counts.
+    short = [f"{len(incomplete)}/{n} groups incomplete or invalid"] if incomplete else []
+    missing = [f"{g} {counts[g][NOT_EVALUATED]}/{n}" for g in VERDICT_GATES if counts[g][NOT_EVALUATED]]
+    if missing:
+        short.append("not evaluated: " + ", ".join(missing) + " groups")
     if n == 0:
-        verdict, reasons = "INCONCLUSIVE", ["no rows"]
+        verdict, reasons, line = "INCONCLUSIVE", ["no rows"], ["no rows"]
     elif failing:
-        verdict, reasons = "NO-GO", failing
+        verdict, reasons, line = "NO-GO", failing, failing
     elif unevaluated:
-        verdict, reasons = "INCONCLUSIVE", unevaluated
+        verdict, reasons, line = "INCONCLUSIVE", unevaluated, short
     else:
         enabled = [g for g in VERDICT_GATES if counts[g][DISABLED] == 0]
-        verdict, reasons = "GO", [f"{', '.join(enabled)} pass in all {n} groups"]
+        verdict = "GO"
+        reasons = line = [f"{', '.join(enabled)} pass in all {n} groups"]
     return {
         "verdict": verdict,
         "reasons": reasons,
@@ -385,5 +391,5 @@ def overall(details: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "gate_counts": counts,
         "groups": n,
         "groups_complete": n - len(incomplete),
-        "line": f"go/no-go: {verdict} ({'; '.join(reasons)})",
+        "line": f"go/no-go: {verdict} ({'; '.join(line)})",
     }

@@ -164,7 +164,9 @@ def matrix_markdown(matrix: Matrix, verdicts: dict[str, dict], overall: dict, ga
                 for b, bs in verdicts[k].get("shared_across_block_sizes", {}).items()
             }
         )
-        lines += ["", f"## {model}", ""]
+        lines += ["", f"## {model}"]
+        if shared:
+            lines.append("")
         for b, bs in shared:
             lines.append(
                 f"- {b} is measured once per (c, repeat) and shown in every block-size group it covers: "

@@ -311,7 +311,7 @@ def test_full_grid_with_three_repeats_gives_cis_and_gate_verdicts(tmp_path, caps
     rows = synth_rows()
     assert len(rows) == 288
     rows_file = write_jsonl(tmp_path / "rows.jsonl", rows)
-    assert run_cli("report", rows_file, "--out", tmp_path / "o", "--spec", PHASE_A, "--plots") == 0
+    assert run_cli("report", rows_file, "--out", tmp_path / "o", "--spec", PHASE_A) == 0
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1].startswith("go/no-go: GO (")
     matrix = json.loads((tmp_path / "o" / "result_matrix.json").read_text())
@@ -327,9 +327,6 @@ def test_full_grid_with_three_repeats_gives_cis_and_gate_verdicts(tmp_path, caps
     verdict = json.loads((tmp_path / "o" / "verdict.json").read_text())
     for g in verdict["groups"].values():
         assert {k: v["status"] for k, v in g["gates"].items()} == dict.fromkeys(g["gates"], "pass")
-    pngs = sorted((tmp_path / "o" / "plots").glob("*.png"))
-    assert len(pngs) == 2 * 3
-    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000 for p in pngs)
 
 
 # -- bad inputs: exit 2, the message names the field / file:line, nothing written ---------------------------
@@ -345,10 +342,16 @@ def _line(**over) -> str:
         (_line(ttft_seconds=float("nan")), "rows.jsonl:2: ttft_seconds: ttft_seconds must be finite"),
         (_line(kv_occupancy_bytes=-1.0), "rows.jsonl:2: kv_occupancy_bytes"),
         (_line(output_tokens_per_second=True), "rows.jsonl:2: output_tokens_per_second"),
-        (json.dumps({k: v for k, v in upstream("OURS").items() if k != "ttft_seconds"}), "ttft_seconds"),
+        (
+            json.dumps({k: v for k, v in upstream("OURS").items() if k != "ttft_seconds"}),
+            "rows.jsonl:2: <root>: status OK but metrics missing: ttft_seconds",
+        ),
         ('{"model": "openai/gpt-oss-20b", "baseline": "OU', "rows.jsonl:2: invalid JSON"),
         (_line(status="MAYBE"), "rows.jsonl:2: status"),
-        (_line(repeat=0), "duplicate identity (model=openai/gpt-oss-20b, baseline=OURS, block_size=16"),
+        (
+            _line(repeat=0),
+            "duplicate identity (model=openai/gpt-oss-20b, baseline=OURS, block_size=16, concurrency=1, repeat=0): ",
+        ),
     ],
     ids=["nan", "negative", "bool", "missing-metric", "torn-line", "unknown-status", "duplicate"],
 )
@@ -359,6 +362,7 @@ def test_bad_rows_exit_2_name_the_place_and_write_nothing(tmp_path, capsys, cont
     assert run_cli("report", path, "--out", out) == 2
     err = capsys.readouterr().err
     assert needle in err, err
+    assert f"{path}:2" in err  # the file and line (the duplicate names line 1 too)
     assert not out.exists()
 
 
@@ -478,6 +482,17 @@ print("clean")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "clean"
+    # --plots wrote the three PNGs of the one model (matplotlib is allowed; torch and ray are not).
+    pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
+    assert pngs == [
+        f"openai_gpt-oss-20b_{what}.png"
+        for what in ("acceptance_length", "coverage_waste", "tokens_per_second")
+    ]
+    assert all(
+        (out / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        and (out / "plots" / p).stat().st_size > 1000
+        for p in pngs
+    )
     # And through the module entry point, as a user runs it.
     done = subprocess.run(
         [sys.executable, "-m", "pd_dflash", "validate", str(out / "result_matrix.json")],

@@ -106,7 +106,7 @@ def test_bm1_not_evaluated_without_terms():
     verdict, _ = report(synth_rows(tweak=ours_at(t_router_seconds=None, t_verify_seconds=None)))
     g = gate(verdict, "bm1")
     assert g["status"] == "not evaluated" and "OURS" in g["summary"]
-    assert verdict["overall"]["verdict"] == "INCONCLUSIVE"
+    assert verdict["overall"]["line"] == "go/no-go: INCONCLUSIVE (not evaluated: bm1 24/24 groups)"
 
 
 # -- hide inequality ------------------------------------------------------------------------------------
