@@ -34,6 +34,8 @@ class EngineTraits:
     requires: tuple[str, ...] = ()
     #: Why an unsupported baseline is not run (shown by `plan`, stored as the row's reason).
     unsupported_reason: dict[str, str] = field(default_factory=dict)
+    #: How to get a missing ``requires`` module onto a box (for preflight's message), keyed by module.
+    install_hints: dict[str, str] = field(default_factory=dict)
 
 
 BUILTIN: dict[str, EngineTraits] = {
@@ -41,12 +43,19 @@ BUILTIN: dict[str, EngineTraits] = {
         entry_point="pd_dflash.engine.reference.engine:ReferenceEngine",
         options_model="pd_dflash.engine.reference.options:ReferenceOptions",
         requires=("torch", "transformers"),
+        supported_baselines=frozenset({"B0", "B3"}),
+        unsupported_reason={b: "speculative decoding arrives with issue #4" for b in ("B1", "B2", "OURS")},
     ),
     "moe_infinity": EngineTraits(
         entry_point="pd_dflash.engine.moe_infinity.engine:MoEInfinityEngine",
         options_model="pd_dflash.engine.moe_infinity.options:MoEInfinityOptions",
         separate_resident_load=True,
         requires=("torch", "moe_infinity"),
+        install_hints={
+            "moe_infinity": "engine 'moe_infinity' runs on GPU boxes with MoE-Infinity installed in the runners' "
+            "Python (EfficientMoE/MoE-Infinity, built for sm_120 with MOE_ENABLE_SM120=1); see docs/operators.md. "
+            "Without it use engine 'reference'",
+        },
     ),
 }
 
