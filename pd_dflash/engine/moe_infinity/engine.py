@@ -10,10 +10,11 @@ Per cell: a ContinuousBatchingEngine with ``max_batch_size = c`` serves ``worklo
 in flight (``serving.drive``). What each configuration switches (never silently the same as another):
 
 - B0 / B3: no speculator (autoregressive, batched decode); B3 on the resident load.
-- B1: DFlash with route-ahead OFF (the verify-time prefetcher hook returns None, so the executor keeps its
-  unchanged AR path) and non-binding verify budgets (every pending verify admitted each step).
-- B2: DFlash, route-ahead ON, token-deficit scheduling (upstream's ``build_b2_serving_config``: token budget and
-  cap = B, expert bytes unbounded).
+- B1: DFlash with route-ahead OFF (the verify-time prefetcher hook returns None, so the expert executor keeps
+  its unchanged AR prefetch path) and non-binding verify budgets (every pending verify admitted each step).
+- B2: DFlash, route-ahead OFF, token-deficit scheduling (upstream's ``build_b2_serving_config``: token budget
+  and cap = B, expert bytes unbounded). Upstream's PR #165 ran B2 with the route-ahead seam active only because
+  its build could not switch it off; pd-dflash's B2 keeps the AR prefetcher (docs/metrics.md).
 - OURS: DFlash, route-ahead ON, the 2-D (tokens, expert bytes) deficit scheduler with a byte budget.
 
 A configuration the installed build cannot express comes back BLOCKED_UNTIL_2D_SCHEDULER or REFUSED with the
@@ -281,35 +282,33 @@ class MoEInfinityEngine(Engine):
             return self._without_metrics(Status.REFUSED, f"cannot set the drafter's block size: {exc}")
         build = self.build
         sessions = build.verify_scheduler and build.session_seam
-        if b == "B1":
+        if b in ("B2", "OURS") and not sessions:
+            missing = [] if build.verify_scheduler else ["verify budgets in the serving Scheduler"]
+            missing += (
+                [] if build.session_seam else ["DFlashSpeculator begin_session/draft_round/verify_round"]
+            )
+            return self._without_metrics(
+                Status.BLOCKED_UNTIL_2D_SCHEDULER,
+                f"{b} needs MoE-Infinity's verify-round scheduler; this build lacks {' and '.join(missing)}",
+            )
+        if b in ("B1", "B2"):
             if not build.route_ahead_switch:
                 return self._without_metrics(
                     Status.REFUSED,
-                    f"B1 needs DFlash with route-ahead prefetch OFF, but this MoE-Infinity build has no "
-                    f"DFlashSpeculator.{ROUTE_AHEAD_SEAM} hook to switch it off: B1 would silently be "
+                    f"{b} needs DFlash with route-ahead prefetch OFF, but this MoE-Infinity build has no "
+                    f"DFlashSpeculator.{ROUTE_AHEAD_SEAM} hook to switch it off: {b} would silently use "
                     "OURS's prefetch path",
                 )
             if getattr(getattr(self.moe, "engine_config", None), "speculative_prefetch", False):
                 return self._without_metrics(
                     Status.REFUSED,
-                    "B1 needs route-ahead OFF, but the load config has speculative_prefetch on: the expert "
+                    f"{b} needs route-ahead OFF, but the load config has speculative_prefetch on: the expert "
                     "executor would still prefetch routed experts during verify",
                 )
-        else:
-            if not sessions:
-                missing = [] if build.verify_scheduler else ["verify budgets in the serving Scheduler"]
-                missing += (
-                    [] if build.session_seam else ["DFlashSpeculator begin_session/draft_round/verify_round"]
-                )
-                return self._without_metrics(
-                    Status.BLOCKED_UNTIL_2D_SCHEDULER,
-                    f"{b} needs MoE-Infinity's verify-round scheduler; this build lacks {' and '.join(missing)}",
-                )
-            if getattr(self.moe.engine, "expert_prefetcher", None) is None:
-                return self._without_metrics(
-                    Status.REFUSED,
-                    f"{b} needs route-ahead, but the offload engine exposes no expert_prefetcher",
-                )
+        elif getattr(self.moe.engine, "expert_prefetcher", None) is None:
+            return self._without_metrics(
+                Status.REFUSED, "OURS needs route-ahead, but the offload engine exposes no expert_prefetcher"
+            )
         if cell.concurrency > 1 and not (sessions and build.persistent_sessions):
             return self._without_metrics(
                 Status.REFUSED,
@@ -338,7 +337,7 @@ class MoEInfinityEngine(Engine):
         tokens = bs if choice == "block" else bs * c if choice == "block_x_concurrency" else int(choice)
         if b == "B2":
             budgets = _budgets(tokens, max(tokens, bs), B2_UNBOUNDED_EXPERT_BYTES, B2_UNBOUNDED_EXPERT_BYTES)
-            return CellPlan(True, True, budgets, "spec_sessions")
+            return CellPlan(True, False, budgets, "spec_sessions")
         if self.options.expert_byte_budget == "h2d_window":
             if self.h2d is None:
                 return self._without_metrics(
@@ -434,10 +433,9 @@ class MoEInfinityEngine(Engine):
         gaps = [g for t in run.traces for g in t.chunk_gaps()]
         if gaps:
             per_round = sum(gaps) / len(gaps)
-        elif plan.serving_path == "spec_whole_request" and rounds.committed:
-            per_round = run.elapsed / len(
-                rounds.committed
-            )  # c=1, sequential: the loop's time per verify round
+        elif plan.speculative and cell.concurrency == 1 and rounds.committed:
+            # The request ran inside one serving step (no per-round stream); at c=1 the loop is sequential.
+            per_round = run.elapsed / len(rounds.committed)
             sources["per_round_latency_seconds"] = "timed loop / observed verify rounds (no per-round stream)"
         else:
             per_round = None
@@ -448,9 +446,7 @@ class MoEInfinityEngine(Engine):
         good_tokens = sum(t.tokens for t in run.traces if m.meets_slo(t, slo.ttft_ms, slo.tpot_ms))
         goodput = good_tokens / run.elapsed
 
-        coverage, wasted = self._route_ahead_metrics(
-            plan, stats, wasted_before, wasted_after, warnings, sources
-        )
+        coverage, wasted = self._prefetch_metrics(plan, stats, wasted_before, wasted_after, warnings, sources)
         if hit is None:
             warnings.append(m.ABSENT["expert_cache_hit_rate"] + (f" ({hit_src})" if hit_src else ""))
         else:
@@ -501,6 +497,8 @@ class MoEInfinityEngine(Engine):
         }
         if bindings:
             facts["route_ahead_bindings"] = dict(bindings)
+        if stats is not None and not plan.route_ahead:
+            facts["route_ahead_observer"] = stats  # route-ahead off: what the verify seam saw (predicted = 0)
         per_round_samples: dict[str, list[float]] = {}
         if rounds is not None:
             per_round_samples = {
@@ -538,7 +536,7 @@ class MoEInfinityEngine(Engine):
             t_verify_seconds=sum(rounds.verify_seconds) if rounds and rounds.verify_seconds else None,
             latency=m.latency_stats(run.traces, per_round_samples),
             acceptance_histogram=histogram,
-            route_ahead=stats,
+            route_ahead=stats if plan.route_ahead else None,
             requests=len(run.traces),
             generated_tokens=tokens,
             timed_seconds=run.elapsed,
@@ -547,34 +545,31 @@ class MoEInfinityEngine(Engine):
             timings=timings,
         )
 
-    def _route_ahead_metrics(self, plan, stats, wasted_before, wasted_after, warnings, sources):
-        """Coverage and wasted bytes: 0 by definition without route-ahead, else from RouteAheadStats."""
-        if plan.route_ahead is None:
-            sources["route_ahead_prefetch_coverage"] = (
-                "0 by definition: no route-ahead prefetch (autoregressive)"
-            )
-            return 0.0, 0.0
+    def _prefetch_metrics(self, plan, stats, wasted_before, wasted_after, warnings, sources):
+        """Coverage and wasted bytes of the configuration's prefetcher (docs/metrics.md, metrics 7 and 8).
+
+        OURS: route-ahead, from RouteAheadStats. B0-B3: MoE-Infinity's AR prefetcher, whose predictions no
+        accessor exposes, so coverage is absent; wasted bytes come from the native waste counter (timed-loop
+        delta) where the build has one, for OURS too when its statistics carried no byte sizes.
+        """
         coverage = wasted = None
-        if stats is None:
-            warnings.append(
-                "route_ahead_prefetch_coverage absent: this build exposes no RouteAheadStats "
-                "(enable_route_ahead_stats)"
-            )
-        elif not stats.get("actual_experts"):
-            warnings.append(m.ABSENT["route_ahead_prefetch_coverage"])
+        if plan.route_ahead:
+            if stats is None:
+                warnings.append(m.NO_ROUTE_AHEAD_STATS)
+            else:
+                coverage = float(stats["coverage"])
+                sources["route_ahead_prefetch_coverage"] = "RouteAheadStats.coverage"
+                if not stats.get("actual_experts"):
+                    warnings.append(m.VACUOUS_COVERAGE)
+                if stats.get("wasted_prefetch_bytes") is not None:
+                    wasted = float(stats["wasted_prefetch_bytes"])
+                    sources["wasted_prefetch_bytes"] = "RouteAheadStats.wasted_prefetch_bytes"
         else:
-            coverage = float(stats["coverage"])
-            sources["route_ahead_prefetch_coverage"] = "RouteAheadStats.coverage"
-        if stats is not None and stats.get("wasted_prefetch_bytes") is not None:
-            wasted = float(stats["wasted_prefetch_bytes"])
-            sources["wasted_prefetch_bytes"] = "RouteAheadStats.wasted_prefetch_bytes"
-        elif stats is not None and stats.get("layers_observed") and stats.get("predicted_experts") == 0:
-            wasted = 0.0  # nothing was prefetched ahead, so nothing was wasted (exact, not a fallback)
-            sources["wasted_prefetch_bytes"] = "RouteAheadStats: no expert predicted"
-        elif wasted_after is not None:
+            warnings.append(m.ABSENT["route_ahead_prefetch_coverage"])
+        if wasted is None and wasted_after is not None:
             wasted = max(wasted_after - (wasted_before or 0.0), 0.0)
             sources["wasted_prefetch_bytes"] = "expert_prefetcher.wasted_prefetch_bytes (timed-loop delta)"
-        else:
+        if wasted is None:
             warnings.append(m.ABSENT["wasted_prefetch_bytes"])
         return coverage, wasted
 

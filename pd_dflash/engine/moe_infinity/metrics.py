@@ -46,11 +46,19 @@ ABSENT = {
         "acceptance_length_a absent: no verify round result was observed (upstream fell back to 1.0)"
     ),
     "route_ahead_prefetch_coverage": (
-        "route_ahead_prefetch_coverage absent: RouteAheadStats saw no routed expert, so upstream's 1.0 would "
-        "be vacuous (the route-ahead seam never fired)"
+        "route_ahead_prefetch_coverage absent: MoE-Infinity exposes no record of what its AR prefetcher "
+        "predicted (RouteAheadStats observes route-ahead only, which this configuration does not use)"
     ),
     "exposed_fetch_seconds": "exposed_fetch_seconds absent: no get_exposed_fetch_seconds accessor",
 }
+VACUOUS_COVERAGE = (
+    "route_ahead_prefetch_coverage is vacuous: 1.0 with no routed expert observed (the route-ahead seam never "
+    "fired, e.g. gpt-oss experts never reach the executor)"
+)
+NO_ROUTE_AHEAD_STATS = (
+    "route_ahead_prefetch_coverage absent: this MoE-Infinity build has no RouteAheadStats "
+    "(DFlashSpeculator.enable_route_ahead_stats)"
+)
 HIT_RATE_CUMULATIVE = (
     "expert_cache_hit_rate covers everything since the model load: this build has no "
     "clear_expert_cache_counts to restart the counters after warm-up"
