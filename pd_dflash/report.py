@@ -124,7 +124,12 @@ def read_inputs(paths: Sequence[str | Path]) -> tuple[list[Row], list[str]]:
 def report_main(args: argparse.Namespace) -> int:
     gates, spec = _gates(args)
     rows, sources = read_inputs(args.inputs)
-    verdict = write_outputs(rows, args.out, gates, plots=bool(args.plots), spec=spec, sources=sources)
+    try:
+        verdict = write_outputs(rows, args.out, gates, plots=bool(args.plots), spec=spec, sources=sources)
+    except OSError as exc:
+        raise InputError(
+            f"cannot write outputs: {exc.strerror or exc}", where=exc.filename or args.out
+        ) from None
     print(json.dumps(verdict["groups"], indent=2, sort_keys=True))
     print(verdict["overall"]["line"])
     print(f"wrote {Path(args.out) / 'result_matrix.{json,csv,md}'} ({len(rows)} rows)", file=sys.stderr)

@@ -409,6 +409,11 @@ def test_failed_row_superseded_by_a_later_retry(tmp_path, capsys):
 def test_unreadable_inputs_exit_2(tmp_path, capsys):
     assert run_cli("report", tmp_path / "nope.jsonl", "--out", tmp_path / "o") == 2
     assert "nope.jsonl: cannot read rows" in capsys.readouterr().err
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps(upstream_group()))
+    (tmp_path / "taken").write_text("a file, not a directory")
+    assert run_cli("report", rows, "--out", tmp_path / "taken") == 2
+    assert "cannot write outputs" in capsys.readouterr().err
     bad = tmp_path / "m.json"
     bad.write_text("{not json")
     assert run_cli("validate", bad) == 2
