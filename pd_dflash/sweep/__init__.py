@@ -1,0 +1,6 @@
+"""The Ray orchestrator: driver, runner actors, collector actor, preflight, progress.
+
+Ray is imported only inside this package, and only by the modules that need it (``driver``, ``runner``,
+``collector``, ``preflight``, ``cluster``). ``store``, ``scheduler``, ``progress`` and ``manifest`` are pure, so
+``pd_dflash.sweep.store.current_rows`` (the de-duplicated view of a sweep directory) can be used without Ray.
+"""
