@@ -18,6 +18,14 @@ class ReferenceOptions(BaseModel):
     emulated_h2d_gbps: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
     emulated_latency_us: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     eviction: Literal["lru", "lfu"] = "lru"
+    #: Device expert-cache capacity in bytes for offloaded cells (overrides memory.expert_cache_fraction).
+    expert_cache_bytes: Annotated[int, Field(ge=1)] | None = None
+    #: The AR prefetcher of B0/B1 ("none" = on-demand fetches only).
+    prefetcher: Literal["activation_aware", "none"] = "activation_aware"
+    #: Compute dtype of the target ("auto": a preset's fp32, a checkpoint's own dtype).
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    #: Seed of a preset's training (part of the preset cache key).
+    train_seed: int = 0
     #: How expert weights are stored in the host store (fp8 = e4m3 with a per-expert scale).
     storage_dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     #: Route-ahead ablation: also prefetch the next round's likely experts.

@@ -1,0 +1,246 @@
+"""``ReferenceEngine``: pd-dflash's own offloaded-MoE engine behind the ``Engine`` interface.
+
+Load once (model + host expert store + device), then per cell: build the cell's expert cache (bounded and
+linked for offloaded baselines, fully resident for B3), warm up, measure the timed requests with continuous
+batching at the cell's concurrency, and assemble the row. B0 and B3 run today; the speculative baselines
+arrive with issue #4 (the decode loop already has their seams: proposer, commit rule, prefetch hook,
+scheduler).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+import pd_dflash
+from pd_dflash.engine import nvml
+from pd_dflash.engine.interface import Engine, EngineContext
+from pd_dflash.engine.probe import measure_h2d_bytes_per_second
+from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Request, TargetModel, run_requests
+from pd_dflash.engine.reference.expert_cache import ExpertCache
+from pd_dflash.engine.reference.link import CudaLink, ThreadLink
+from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts, assemble
+from pd_dflash.engine.reference.models import load_model, make_prompts
+from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
+from pd_dflash.engine.reference.options import ReferenceOptions
+from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
+from pd_dflash.errors import InputError
+from pd_dflash.schema import EngineResult, Status
+from pd_dflash.spec import Cell
+
+SUPPORTED_BASELINES = frozenset({"B0", "B3"})
+SPECULATIVE_REASON = "speculative decoding arrives with issue #4"
+
+
+class ReferenceEngine(Engine):
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx)
+        start = time.perf_counter()
+        self.options = ReferenceOptions.model_validate(ctx.model.engine_options)
+        self.device = _device(ctx.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, int(ctx.hardware.cpus_per_runner)))
+        elif self.options.emulated_h2d_gbps is not None:
+            raise InputError(
+                "link emulation is for the CPU engine; a CUDA device has a real link",
+                where="models[].engine_options.emulated_h2d_gbps",
+            )
+        self.loaded = load_model(
+            ctx.model.id,
+            ctx.model.preset,
+            seed=self.options.train_seed,
+            cache_dir=self.options.cache_dir,
+            dtype=self.options.dtype,
+        )
+        model = self.loaded.model
+        self.store = install_offload(
+            model, self.loaded.family, self.options.storage_dtype, pin=self.device.type == "cuda"
+        )
+        model.to(self.device)  # everything but the routed experts, which now live in the host store
+        self.compute_dtype = next(model.parameters()).dtype
+        self.target = TargetModel(model, self.loaded.family, self.device)
+        self.top_k = int(model.config.num_experts_per_tok)
+        self.probe_bytes_per_second = (
+            measure_h2d_bytes_per_second(self.device) if self.device.type == "cuda" else None
+        )
+        self.load_seconds = time.perf_counter() - start
+
+    # -- interface ---------------------------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        card = self.loaded.card
+        facts = {
+            "name": "reference",
+            "version": pd_dflash.__version__,
+            "model_source": self.loaded.source,
+            "model": self.loaded.name,
+            "family": self.loaded.family.name,
+            "device": str(self.device),
+            "dtype": str(self.compute_dtype).replace("torch.", ""),
+            "storage_dtype": self.options.storage_dtype,
+            "experts_per_layer": self.store.num_experts,
+            "top_k": self.top_k,
+            "moe_layers": len(self.store.layer_ids),
+            "expert_nbytes": self.store.expert_nbytes,
+            "total_expert_bytes": self.store.total_bytes,
+            "eviction": self.options.eviction,
+            "prefetcher": self.options.prefetcher,
+            "load_seconds": self.load_seconds,
+            "threads": torch.get_num_threads(),
+        }
+        if self.loaded.source == "preset":
+            facts["model_card"] = {
+                k: card.get(k) for k in ("code_version", "seed", "train", "loss", "routing", "cache_hit")
+            }
+        else:
+            facts["model_card"] = card
+        if self.probe_bytes_per_second:
+            facts["h2d_probe_bytes_per_second"] = self.probe_bytes_per_second
+        return facts
+
+    def run_cell(self, cell: Cell) -> EngineResult:
+        if cell.baseline not in SUPPORTED_BASELINES:
+            return EngineResult(status=Status.REFUSED, reason=f"{cell.baseline}: {SPECULATIVE_REASON}")
+        capacity, refusal = self.cache_capacity(cell)
+        if refusal:
+            return EngineResult(status=Status.REFUSED, reason=refusal)
+        setup = time.perf_counter()
+        runtime, link_facts = self._runtime(cell, capacity)
+        telemetry_start = nvml.telemetry(0) if self.device.type == "cuda" else None
+        try:
+            setup_seconds = time.perf_counter() - setup
+            wl = self.ctx.workload
+            torch.manual_seed(wl.seed)
+            warm_start = time.perf_counter()
+            if wl.warmup_rounds:
+                warm = self._requests(cell, wl.warmup_rounds, max_new=cell.block_size, stream=1, tag="warmup")
+                self._serve(cell, warm, runtime)
+            runtime.reset_measurement()
+            warm_seconds = time.perf_counter() - warm_start
+            timed = self._requests(cell, wl.requests, max_new=cell.max_new_tokens, stream=0, tag="r")
+            t0 = time.perf_counter()
+            rounds = self._serve(cell, timed, runtime)
+            timed_seconds = time.perf_counter() - t0
+            runtime.cache.drain()
+            telemetry = None
+            if telemetry_start is not None:
+                telemetry = {"start": telemetry_start, "end": nvml.telemetry(0)}
+            measurement = CellMeasurement(
+                requests=timed,
+                rounds=rounds,
+                timed_seconds=timed_seconds,
+                runtime=runtime,
+                link=link_facts,
+                engine={**self.describe(), **(runtime.prefetcher.describe() if runtime.prefetcher else {})},
+                timings={"setup": setup_seconds, "warmup": warm_seconds, "timed": timed_seconds},
+                telemetry=telemetry,
+            )
+            return assemble(measurement, self.ctx.slo)
+        finally:
+            runtime.close()
+
+    def close(self) -> None:
+        self.target = None
+        self.loaded = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- cell pieces ---------------------------------------------------------------------------------------------
+    def cache_capacity(self, cell: Cell) -> tuple[int, str | None]:
+        """The cell's expert-cache capacity in bytes, or a refusal (upstream: an offloaded baseline must
+        really offload; B3 holds every expert)."""
+        total = self.store.total_bytes
+        if not cell.offloaded:
+            return total, None
+        opts, frac = self.options, self.ctx.memory.expert_cache_fraction
+        if opts.expert_cache_bytes is not None:
+            capacity, given = (
+                opts.expert_cache_bytes,
+                f"engine_options.expert_cache_bytes={opts.expert_cache_bytes}",
+            )
+        elif frac is not None:
+            capacity, given = int(frac * total), f"memory.expert_cache_fraction={frac}"
+        else:
+            return 0, (
+                f"{cell.baseline} must be offloaded, but no expert-cache capacity is set, so the cache would hold "
+                f"every expert ({total} B). Fix: set memory.expert_cache_fraction below 1 (e.g. 0.25) or "
+                "models[].engine_options.expert_cache_bytes"
+            )
+        slots, entries = capacity // self.store.expert_nbytes, self.store.num_entries
+        if slots >= entries:
+            return 0, (
+                f"{cell.baseline} must be offloaded, but {given} gives a cache of {capacity} B that holds all "
+                f"{entries} experts ({total} B): nothing would be offloaded. Fix: lower it so the cache holds fewer "
+                f"than {entries} experts (< {total} B)"
+            )
+        if slots < 1:
+            return 0, (
+                f"{given} gives a cache of {capacity} B, smaller than one expert ({self.store.expert_nbytes} B). "
+                "Fix: raise it to at least one expert"
+            )
+        return capacity, None
+
+    def _runtime(self, cell: Cell, capacity: int) -> tuple[OffloadRuntime, LinkFacts]:
+        opts = self.options
+        if not cell.offloaded:
+            link, facts = None, LinkFacts("none", probe_bytes_per_second=self.probe_bytes_per_second)
+        elif self.device.type == "cuda":
+            link, facts = (
+                CudaLink(self.device),
+                LinkFacts("real", probe_bytes_per_second=self.probe_bytes_per_second),
+            )
+        else:
+            link = ThreadLink(opts.emulated_h2d_gbps, opts.emulated_latency_us)
+            facts = LinkFacts(
+                link.kind,
+                emulated_gbps=opts.emulated_h2d_gbps,
+                emulated_latency_us=opts.emulated_latency_us if opts.emulated_h2d_gbps else None,
+            )
+        cache = ExpertCache(
+            self.store, capacity, self.device, self.compute_dtype, policy=opts.eviction, link=link
+        )
+        prefetcher = None
+        if opts.prefetcher == "activation_aware":
+            # B3: observe-only, so its prediction quality is on the same scale as the offloaded baselines'.
+            prefetcher = ActivationAwarePrefetcher(
+                self.store.layer_ids, self.store.num_experts, self.top_k, issue=cell.offloaded
+            )
+        runtime = OffloadRuntime(self.store, cache, prefetcher)
+        runtime.attach(self.target.model)
+        return runtime, facts
+
+    def _requests(self, cell: Cell, n: int, *, max_new: int, stream: int, tag: str) -> list[Request]:
+        wl = self.ctx.workload
+        prompts = make_prompts(
+            self.loaded, wl.prompts, n, wl.prompt_tokens, seed=wl.seed + 1_000_003 * stream
+        )
+        out = []
+        for i, prompt in enumerate(prompts):
+            gen = None
+            if wl.temperature > 0:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(wl.seed * 1_000_003 + 7919 * stream + i)
+            out.append(Request(f"{tag}{i}", prompt, max_new, self.loaded.eos_token_id, gen))
+        return out
+
+    def _serve(self, cell: Cell, requests: list[Request], runtime: OffloadRuntime):
+        return run_requests(
+            self.target,
+            requests,
+            concurrency=cell.concurrency,
+            decoding=AutoregressiveDecoding(self.ctx.workload.temperature),
+            hooks=runtime,
+        )
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"unknown device {name!r}; use 'cpu' or 'cuda:N'", where="device") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {name} requested but CUDA is not available here", where="device")
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"the reference engine runs on cpu or cuda, not {device.type}", where="device")
+    return device

@@ -1,0 +1,289 @@
+"""The bounded device expert cache: slots, eviction (LRU / LFU), pinning, and exact accounting.
+
+Capacity is in bytes and becomes ``capacity // expert_nbytes`` slots preallocated on the device, so occupancy
+can never exceed it. An entry is pinned while a step computes with it and cannot be evicted while its transfer
+is in flight. Every access is classified at the moment compute asks for the expert:
+
+- hit: in the cache (ready, or in flight from an earlier prefetch: no new transfer is issued);
+- miss: not in the cache, fetched on demand;
+- resident at round start: it was in the cache before the current round began (the hide inequality's r).
+
+Exposed fetch seconds are the time compute waited for a transfer (on-demand or in-flight prefetch).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from pd_dflash.engine.reference.expert_store import HostExpertStore
+
+Key = tuple[int, int]  # (layer, expert)
+POLICIES = ("lru", "lfu")
+
+
+@dataclass
+class CacheCounters:
+    accesses: int = 0
+    hits: int = 0
+    ready_hits: int = 0
+    misses: int = 0
+    resident_at_round_start: int = 0
+    demand_transfers: int = 0
+    demand_bytes: int = 0
+    prefetch_transfers: int = 0
+    prefetch_bytes: int = 0
+    #: Prefetches not issued because every slot was pinned or in flight.
+    prefetch_dropped: int = 0
+    #: Prefetched experts evicted before any access (transfer-level waste).
+    prefetch_unused_evicted_bytes: int = 0
+    evictions: int = 0
+    exposed_seconds: float = 0.0
+    #: Completed transfers: bytes and link seconds (Σ per-transfer durations).
+    h2d_bytes: int = 0
+    h2d_seconds: float = 0.0
+    h2d_transfers: int = 0
+    peak_occupancy_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.accesses if self.accesses else None
+
+
+@dataclass
+class _Entry:
+    key: Key
+    slot: int
+    transfer: object | None  # link Transfer while not harvested
+    inserted_round: int
+    prefetched: bool
+    pins: int = 0
+    used: bool = False
+    last_tick: int = 0
+
+
+@dataclass
+class ExpertCache:
+    store: HostExpertStore
+    capacity_bytes: int
+    device: torch.device
+    compute_dtype: torch.dtype
+    policy: str = "lru"
+    #: A link (ThreadLink / CudaLink); None = resident: every expert is loaded up front, nothing moves.
+    link: object | None = None
+    counters: CacheCounters = field(default_factory=CacheCounters)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"eviction policy must be one of {POLICIES}, got {self.policy!r}")
+        self.num_slots = min(self.capacity_bytes // self.store.expert_nbytes, self.store.num_entries)
+        if self.num_slots < 1:
+            raise ValueError(
+                f"expert cache capacity {self.capacity_bytes} B holds no expert of {self.store.expert_nbytes} B"
+            )
+        self.buffers = [
+            torch.empty((self.num_slots, *shape), dtype=dt, device=self.device)
+            for shape, dt in self.store.spec
+        ]
+        self.slot_views = [[b[i] for b in self.buffers] for i in range(self.num_slots)]
+        # Storage == compute dtype: a slot's tensors are used as they are (no dequantization).
+        self._direct = all(dt == self.compute_dtype for _, dt in self.store.spec)
+        self.entries: OrderedDict[Key, _Entry] = OrderedDict()  # LRU order: oldest first
+        self.free = list(range(self.num_slots - 1, -1, -1))
+        self.frequency: dict[Key, int] = {}
+        self.inflight: list[_Entry] = []
+        self.round = 0
+        self._tick = 0
+        if self.link is None:
+            self._load_all()
+
+    # -- state -------------------------------------------------------------------------------------------------
+    @property
+    def resident(self) -> bool:
+        return self.link is None
+
+    @property
+    def occupancy_bytes(self) -> int:
+        return len(self.entries) * self.store.expert_nbytes
+
+    def contains(self, key: Key) -> bool:
+        return key in self.entries
+
+    def begin_round(self) -> None:
+        self.round += 1
+
+    # -- compute side --------------------------------------------------------------------------------------------
+    def acquire(self, key: Key) -> _Entry | None:
+        """Pin ``key`` for compute, fetching it on demand if absent. None when no slot can be freed right now
+        (every slot pinned by this step): compute with what is pinned, release, then retry."""
+        entry = self.entries.get(key)
+        if entry is None:
+            slot = self._slot_for(demand=True)
+            if slot is None:
+                return None
+            entry = self._insert(key, slot, demand=True)
+            self.counters.misses += 1
+        else:
+            self.counters.hits += 1
+            if entry.inserted_round < self.round:
+                self.counters.resident_at_round_start += 1
+            if entry.transfer is None or self.link.done(entry.transfer):
+                self.counters.ready_hits += 1
+            else:
+                self.link.promote(entry.transfer)
+        self.counters.accesses += 1
+        self.frequency[key] = self.frequency.get(key, 0) + 1
+        entry.used = True
+        entry.pins += 1
+        self._touch(entry)
+        return entry
+
+    def weights(self, entry: _Entry) -> list[torch.Tensor]:
+        """The entry's compute-dtype tensors once its transfer has landed (waiting counts as exposed)."""
+        if entry.transfer is not None:
+            self.counters.exposed_seconds += self.link.wait(entry.transfer)
+        views = self.slot_views[entry.slot]
+        return views if self._direct else self.store.dequantize(views, self.compute_dtype)
+
+    def release(self, entry: _Entry) -> None:
+        entry.pins -= 1
+        if self.link is not None:
+            self.link.record_use(entry.slot)
+
+    def pin(self, key: Key) -> bool:
+        """Keep a cached expert from eviction (e.g. route-ahead pins its predicted set across a verify)."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return False
+        entry.pins += 1
+        return True
+
+    def unpin(self, key: Key) -> None:
+        self.entries[key].pins -= 1
+
+    # -- prefetch side -------------------------------------------------------------------------------------------
+    def prefetch(self, key: Key) -> bool:
+        """Start fetching ``key`` unless cached; refreshes recency if cached. False when dropped (no slot)."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            self._touch(entry)
+            return True
+        if self.link is None:
+            return True  # resident: everything is cached
+        slot = self._slot_for(demand=False)
+        if slot is None:
+            self.counters.prefetch_dropped += 1
+            return False
+        self._insert(key, slot, demand=False)
+        return True
+
+    # -- accounting ----------------------------------------------------------------------------------------------
+    def collect(self) -> None:
+        """Fold completed transfers and measured stalls into the counters (call once per round)."""
+        if self.link is None:
+            return
+        still = []
+        for entry in self.inflight:
+            t = entry.transfer
+            if t is not None and self.link.done(t):
+                self._harvest(entry)
+            elif t is not None:
+                still.append(entry)
+        self.inflight = still
+        self.counters.exposed_seconds += self.link.harvest_exposed()
+
+    def drain(self) -> None:
+        """Wait for every transfer in flight, then collect (a clean boundary between warm-up and timing)."""
+        for entry in self.inflight:
+            if entry.transfer is not None:
+                self.link.host_wait(entry.transfer)
+        self.collect()
+
+    def reset_counters(self) -> None:
+        self.drain()
+        self.counters = CacheCounters(peak_occupancy_bytes=self.occupancy_bytes)
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.drain()
+            self.link.close()
+        self.buffers, self.slot_views = [], []
+        self.entries.clear()
+
+    # -- internals -----------------------------------------------------------------------------------------------
+    def _load_all(self) -> None:
+        slot = 0
+        for layer in self.store.layer_ids:
+            for e in range(self.store.num_experts):
+                for dst, src in zip(self.slot_views[slot], self.store.payload(layer, e), strict=True):
+                    dst.copy_(src)
+                self.entries[(layer, e)] = _Entry((layer, e), slot, None, inserted_round=0, prefetched=False)
+                slot += 1
+        self.free = []
+        self.counters.peak_occupancy_bytes = self.occupancy_bytes
+
+    def _insert(self, key: Key, slot: int, demand: bool) -> _Entry:
+        nbytes = self.store.expert_nbytes
+        transfer = self.link.submit(
+            self.slot_views[slot], self.store.payload(*key), nbytes, demand, after=slot
+        )
+        entry = _Entry(key, slot, transfer, inserted_round=self.round, prefetched=not demand)
+        self.entries[key] = entry
+        self.inflight.append(entry)
+        if demand:
+            self.counters.demand_transfers += 1
+            self.counters.demand_bytes += nbytes
+        else:
+            self.counters.prefetch_transfers += 1
+            self.counters.prefetch_bytes += nbytes
+        self.counters.peak_occupancy_bytes = max(self.counters.peak_occupancy_bytes, self.occupancy_bytes)
+        return entry
+
+    def _harvest(self, entry: _Entry) -> None:
+        t = entry.transfer
+        self.counters.h2d_bytes += t.nbytes
+        self.counters.h2d_seconds += self.link.seconds(t)
+        self.counters.h2d_transfers += 1
+        entry.transfer = None
+
+    def _touch(self, entry: _Entry) -> None:
+        self._tick += 1
+        entry.last_tick = self._tick
+        self.entries.move_to_end(entry.key)
+
+    def _evictable(self, entry: _Entry) -> bool:
+        return entry.pins == 0 and (entry.transfer is None or self.link.done(entry.transfer))
+
+    def _slot_for(self, demand: bool) -> int | None:
+        if self.free:
+            return self.free.pop()
+        victim = self._victim()
+        if victim is None and demand:
+            # Every unpinned slot is still being written by a prefetch: wait for the oldest, then take it.
+            waiting = [e for e in self.inflight if e.pins == 0 and e.transfer is not None]
+            if waiting:
+                self.counters.exposed_seconds += self.link.host_wait(waiting[0].transfer)
+                victim = waiting[0]
+        if victim is None:
+            return None
+        return self._evict(victim)
+
+    def _victim(self) -> _Entry | None:
+        if self.policy == "lru":
+            return next((e for e in self.entries.values() if self._evictable(e)), None)
+        candidates = [e for e in self.entries.values() if self._evictable(e)]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda e: (self.frequency.get(e.key, 0), e.last_tick))
+
+    def _evict(self, entry: _Entry) -> int:
+        if entry.transfer is not None:
+            self._harvest(entry)
+            self.inflight = [e for e in self.inflight if e is not entry]
+        if entry.prefetched and not entry.used:
+            self.counters.prefetch_unused_evicted_bytes += self.store.expert_nbytes
+        self.counters.evictions += 1
+        del self.entries[entry.key]
+        return entry.slot

@@ -1,0 +1,148 @@
+"""Offloaded MoE layers: each model's experts module is replaced by ``OffloadedExperts``, which computes
+every routed expert from a device-cache slot, and an ``OffloadRuntime`` (one per cell) that owns the cache,
+the prefetcher and the prediction statistics and is driven by the decode loop's round hooks.
+
+Per MoE layer (``OffloadRuntime.run_layer``): the layer's routed experts are pinned/fetched in ascending id
+order (the eager order, so offloaded and resident outputs are bit-identical), the prefetcher then learns from
+the routing and issues fetches for the next layer, and each expert is computed as soon as its slot is ready
+and released right after, so a cache smaller than the layer's union still works (it streams).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pd_dflash.engine.reference.expert_cache import ExpertCache
+from pd_dflash.engine.reference.expert_store import HostExpertStore
+from pd_dflash.engine.reference.families import ExpertFn, MoEFamily, num_experts
+from pd_dflash.engine.route_ahead import RouteAheadStats
+
+
+class OffloadedExperts(nn.Module):
+    """Drop-in replacement of a transformers experts module (same ``forward(hidden, top_k_index,
+    top_k_weights)`` signature), computing each expert like the family's eager forward."""
+
+    def __init__(self, layer_id: int, expert_fn: ExpertFn) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.expert_fn = expert_fn
+        self.runtime: OffloadRuntime | None = None
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.runtime is None:
+            raise RuntimeError("OffloadedExperts used without an OffloadRuntime (call runtime.attach(model))")
+        final = torch.zeros_like(hidden_states)
+        per_expert = top_k_index.T  # [k, tokens]: the eager path's expert_mask[e] order
+
+        def compute(expert: int, weights: list[torch.Tensor]) -> None:
+            top_k_pos, token_idx = torch.where(per_expert == expert)
+            out = self.expert_fn(hidden_states[token_idx], weights)
+            out = out * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+
+        self.runtime.run_layer(self.layer_id, top_k_index, compute)
+        return final
+
+
+def install_offload(model: nn.Module, family: MoEFamily, storage: str, pin: bool) -> HostExpertStore:
+    """Move every MoE layer's experts into a host store and replace the modules (frees the fused params)."""
+    tensors: dict[int, list[torch.Tensor]] = {}
+    for i, layer in enumerate(model.model.layers):
+        experts = family.experts_module(layer)
+        if experts is None:
+            continue
+        tensors[i] = [getattr(experts, name).data for name in family.tensor_names]
+        layer.mlp.experts = OffloadedExperts(i, family.expert_fn(experts))
+    store = HostExpertStore(tensors, storage=storage, pin=pin)
+    if store.num_experts != num_experts(model.config):
+        raise ValueError(
+            f"store has {store.num_experts} experts per layer, config says {num_experts(model.config)}"
+        )
+    return store
+
+
+class OffloadRuntime:
+    """One cell's offload state: cache + prefetcher + prediction statistics, behind the decode-loop hooks."""
+
+    def __init__(self, store: HostExpertStore, cache: ExpertCache, prefetcher=None) -> None:
+        self.store, self.cache, self.prefetcher = store, cache, prefetcher
+        self.stats = RouteAheadStats()
+        #: Σ over layers of |routed union| in the current round (the round's needed expert count), and per
+        #: committed round since the last reset.
+        self.round_needed = 0
+        self.needed_per_round: list[int] = []
+
+    def attach(self, model: nn.Module) -> None:
+        for layer in model.model.layers:
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if isinstance(experts, OffloadedExperts):
+                experts.runtime = self
+
+    def reset_measurement(self) -> None:
+        """After warm-up: counters and statistics restart; cache contents and prefetch history stay warm."""
+        self.cache.reset_counters()
+        self.stats = RouteAheadStats()
+        self.needed_per_round = []
+
+    # -- decode-loop hooks -------------------------------------------------------------------------------------
+    def begin_round(self, owners: list[tuple[object, int]]) -> None:
+        """Before the target forward: ``owners`` = (request id, rows) in row order."""
+        self.cache.begin_round()
+        self.stats.begin_step()
+        self.round_needed = 0
+        if self.prefetcher is not None:
+            self.prefetcher.begin_round(self.cache, owners)
+
+    def end_round(
+        self, *, kept_rows: int | None = None, kept_spans: list[tuple[int, int]] | None = None
+    ) -> None:
+        """After the accept rule: AR keeps every row (``kept_rows`` = tokens of the round)."""
+        self.stats.commit_step(kept_rows, kept_spans=kept_spans)
+        self.cache.collect()
+        self.needed_per_round.append(self.round_needed)
+
+    def forget(self, rid: object) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.forget(rid)
+
+    def close(self) -> None:
+        self.cache.close()
+
+    # -- the experts seam ------------------------------------------------------------------------------------
+    def run_layer(self, layer: int, top_k_index: torch.Tensor, compute: Callable[[int, list], None]) -> None:
+        needed = torch.unique(top_k_index).tolist()  # ascending, like the eager path
+        self.round_needed += len(needed)
+        issued = self.prefetcher is not None and self.prefetcher.issue and not self.cache.resident
+        predicted = self.prefetcher.predicted.get(layer, frozenset()) if self.prefetcher is not None else ()
+        self.stats.observe_layer(
+            layer, predicted, top_k_index, expert_nbytes=self.store.nbytes_map(layer) if issued else None
+        )
+        todo, window = deque(needed), deque()
+
+        def fill() -> None:
+            while todo:
+                entry = self.cache.acquire((layer, todo[0]))
+                if entry is None:
+                    return
+                window.append((todo.popleft(), entry))
+
+        fill()
+        if self.prefetcher is not None:
+            self.prefetcher.after_layer(self.cache, layer, top_k_index)
+        while window:
+            expert, entry = window.popleft()
+            compute(expert, self.cache.weights(entry))
+            self.cache.release(entry)
+            if todo:
+                fill()
+                if not window and todo:
+                    raise RuntimeError(
+                        f"layer {layer}: no cache slot can be freed for expert {todo[0]} "
+                        "(every slot is pinned); raise the expert cache capacity"
+                    )
+        if todo:
+            raise RuntimeError(f"layer {layer}: no cache slot available (every slot is pinned)")
