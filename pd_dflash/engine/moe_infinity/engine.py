@@ -398,7 +398,16 @@ class MoEInfinityEngine(Engine):
             rounds_cm = (
                 record_rounds(spec, push_nvtx=not self.build.library_nvtx) if spec else nullcontext(None)
             )
+            occupancy_peak: list[float] = []
             with rounds_cm as rounds, track_kv_peak(serving) as kv:
+
+                def after_step() -> None:  # peaks over the timed loop, sampled after every serving step
+                    if kv is not None:
+                        kv.sample()
+                    value, _ = m.expert_occupancy_bytes(engine)
+                    if value is not None:
+                        occupancy_peak.append(value)
+
                 run = drive(
                     serving,
                     prompts,
@@ -406,12 +415,15 @@ class MoEInfinityEngine(Engine):
                     concurrency=cell.concurrency,
                     request_prefix="req-",
                     sync=self._sync,
-                    after_step=kv.sample if kv is not None else lambda: None,
+                    after_step=after_step,
                 )
             timings["timed_seconds"] = run.elapsed
             stats = _route_ahead_dict(spec)
             hit, hit_src = m.hit_rate(engine)
             occupancy, occ_src = m.expert_occupancy_bytes(engine)
+            if occupancy is not None:
+                occupancy = max([occupancy, *occupancy_peak])
+                occ_src = f"{occ_src} (peak over serving steps)"
             exposed_after, _ = m.exposed_fetch_seconds(engine)
             wasted_after, _ = m.native_wasted_prefetch_bytes(engine)
             kv_bytes, kv_src = self._kv_bytes(cell, kv)

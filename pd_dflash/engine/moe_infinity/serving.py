@@ -211,8 +211,9 @@ def track_kv_peak(serving: Any) -> Iterator[KVPeak | None]:
         total = getattr(kv_cache, "num_blocks", None)
     peak = KVPeak(allocator, total if isinstance(total, int) else None)
     allocate = getattr(allocator, "allocate", None)
-    previous = vars(allocator).get("allocate", _MISSING) if hasattr(allocator, "__dict__") else _MISSING
-    if callable(allocate):
+    wrapped_allocate = callable(allocate) and hasattr(allocator, "__dict__")  # slotted: sample per step only
+    previous = vars(allocator).get("allocate", _MISSING) if wrapped_allocate else _MISSING
+    if wrapped_allocate:
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             result = allocate(*args, **kwargs)
@@ -224,7 +225,7 @@ def track_kv_peak(serving: Any) -> Iterator[KVPeak | None]:
     try:
         yield peak
     finally:
-        if callable(allocate):
+        if wrapped_allocate:
             if previous is _MISSING:
                 del allocator.allocate
             else:
