@@ -71,10 +71,15 @@ def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float() / temperature, dim=-1)
 
 
+def _draw_device(generator: torch.Generator | None, fallback: torch.device) -> torch.device:
+    """Random draws happen on the generator's device (a CPU generator cannot drive CUDA kernels)."""
+    return fallback if generator is None else generator.device
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per distribution over the last dim (any leading shape)."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    """One token per distribution over the last dim (any leading shape), on ``probs``' device."""
+    flat = probs.reshape(-1, probs.shape[-1]).to(_draw_device(generator, probs.device))
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1]).to(probs.device)
 
 
 def speculative_sample(
@@ -102,7 +107,9 @@ def speculative_sample(
     index = draft_tokens.unsqueeze(-1)
     p_draft = p[:, :-1].gather(-1, index).squeeze(-1)
     q_draft = q.gather(-1, index).squeeze(-1)
-    u = torch.rand(draft_tokens.shape, generator=generator, device=p.device)
+    u = torch.rand(draft_tokens.shape, generator=generator, device=_draw_device(generator, p.device)).to(
+        p.device
+    )
     accepted = _leading_true(u * q_draft < p_draft)  # u < p/q without dividing by q
     # Resample at the first rejection from norm(max(0, p − q)); after the last draft q is 0, so this is p.
     q_padded = torch.cat([q, torch.zeros_like(p[:, :1])], dim=1)
