@@ -115,6 +115,8 @@ class Slot:
     calls: list[Call] = field(default_factory=list)
     #: Runner-side wall clock when its previous cell finished (for the dispatch-gap figure).
     last_finished: float | None = None
+    #: A slot moves to another model while its own still has work at most once (no oscillation).
+    rebalanced: bool = False
 
     @property
     def name(self) -> str:
@@ -298,22 +300,28 @@ class SweepDriver:
                 if key is not None:
                     self._start_runner(slot, key)
                 continue
+            holders = self._holders(slot)
             if not slot.calls:
-                key = self.scheduler.choose_key(self._holders(slot), slot.key)
+                key = self.scheduler.choose_key(holders, slot.key, rebalance=not slot.rebalanced)
                 if key is None:
                     continue
                 if key != slot.key:
-                    self._event(f"{slot.name}: switching from {slot.key[0]} to {key[0]}")
+                    own_left = self.scheduler.pending_count(slot.key)
+                    if own_left:
+                        slot.rebalanced = True
+                    why = f"rebalancing ({own_left} cells of it left)" if own_left else "its model is done"
+                    self._event(f"{slot.name}: switching from {slot.key[0]} to {key[0]}: {why}")
                     self._kill(slot)
                     self._start_runner(slot, key)
                     continue
             if len(slot.calls) >= self.opts.queue_depth:
                 continue
             if slot.calls:
-                # Queue a cell behind the running one only while the key has plenty left: at the tail an
-                # idle runner must be able to take it instead.
-                holders = self._holders(slot).get(slot.key, 0) + 1
-                if self.scheduler.pending_count(slot.key) < 2 * holders:
+                # Queue a cell behind the running one only while the key has plenty left (at the tail an idle
+                # runner must be able to take it instead) and the runner is not about to move to another key.
+                if self.scheduler.pending_count(slot.key) < 2 * (holders.get(slot.key, 0) + 1):
+                    continue
+                if not slot.rebalanced and self.scheduler.rebalance_target(holders, slot.key):
                     continue
             task = self.scheduler.take(slot.key)
             if task is not None:
@@ -602,7 +610,9 @@ class SweepDriver:
             self._plan(stored)
             self._build_slots()
             self._show(force=True)
+            loop_started = time.time()
             unrun = self._loop()
+            loop_finished = time.time()
         finally:
             for slot in self.slots:
                 self._kill(slot)
@@ -654,6 +664,8 @@ class SweepDriver:
                 "cell_seconds": self.cell_seconds,
                 "load_seconds": self.load_seconds,
                 "runners": len(self.slots),
+                "loop_started": loop_started,
+                "loop_finished": loop_finished,
                 "load_keys": len({load_key(self.spec.engine, c) for c in self.cells}),
             },
         )

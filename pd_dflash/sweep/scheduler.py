@@ -8,9 +8,9 @@
   pending work per runner after the switch exceeds the key's estimated load time (otherwise the switch costs
   more than it saves). This gives McNaughton's allocation on average: runners spread over keys in proportion to
   their work, with at most ``runners + keys − 1`` loads when estimates are right.
-- **Estimates** come from the spec (requests × max_new_tokens × baseline factor / √concurrency) and are refined
-  by measured cell times: the measured time of the same coordinates (another repeat) when known, else the spec
-  estimate scaled by the measured/estimated ratio of the (model, baseline), else of the whole sweep.
+- **Estimates** come from the spec (requests × max_new_tokens × baseline factor × concurrency^b) and are fitted
+  to measured cell times as they arrive: the concurrency exponent b over the whole sweep, a scale per (model,
+  baseline), and the measured time itself for another repeat of the same coordinates (see ``Estimator``).
 """
 
 from __future__ import annotations
@@ -45,41 +45,79 @@ def load_key(engine: str, cell: Cell) -> LoadKey:
 
 
 class Estimator:
-    """Cell and load durations in seconds (relative until the first measurement arrives)."""
+    """Cell and load durations in seconds.
+
+    A cell of (model, baseline) group g is modelled as ``tokens x baseline factor x exp(a_g + b log c)``: b, how
+    time scales with concurrency c, is the within-group least-squares slope over every measured cell (-0.5 until
+    some group has two concurrency levels measured); a_g is the group's mean log residual (relative units before
+    any measurement). The measured time of the same
+    coordinates (another repeat) wins when there is one. A group not measured yet takes its model's mean scale
+    (models differ more than baselines), else the sweep's. Running sums keep every estimate O(1).
+    """
+
+    DEFAULT_SLOPE = -0.5
+    UNMEASURED_INTERCEPT = math.log(1e-3)
 
     def __init__(self, spec: SweepSpec) -> None:
         self.requests = spec.workload.requests
         self._by_coords: dict[tuple, list[float]] = defaultdict(list)
-        self._ratio_sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
-        self._global = [0.0, 0.0]
+        #: (model, baseline) -> [n, sum x, sum y, sum xx, sum xy] with x = log c, y = log(seconds / base)
+        self._groups: dict[tuple[str, str], list[float]] = {}
+        #: model -> [n, sum x, sum y]: the scale of a model's baselines not measured yet
+        self._models: dict[str, list[float]] = {}
+        self._slope = self.DEFAULT_SLOPE
+        self._mean_intercept = self.UNMEASURED_INTERCEPT
+        self._cells_seen = 0
+        self._seconds_seen = 0.0
         self._loads: dict[LoadKey, list[float]] = defaultdict(list)
 
     @staticmethod
     def _coords(cell: Cell) -> tuple:
         return (cell.model, cell.baseline, cell.block_size, cell.concurrency)
 
+    def _base(self, cell: Cell) -> float:
+        return self.requests * cell.max_new_tokens * BASELINE_FACTOR.get(cell.baseline, 1.0)
+
     def raw(self, cell: Cell) -> float:
-        tokens = self.requests * cell.max_new_tokens
-        return tokens * BASELINE_FACTOR.get(cell.baseline, 1.0) / math.sqrt(cell.concurrency) * 1e-3
+        """The estimate before any measurement (relative units)."""
+        return self._base(cell) * math.exp(
+            self.UNMEASURED_INTERCEPT + self.DEFAULT_SLOPE * math.log(cell.concurrency)
+        )
+
+    @property
+    def slope(self) -> float:
+        return self._slope
 
     def estimate(self, cell: Cell) -> float:
         same = self._by_coords.get(self._coords(cell))
         if same:
             return sum(same) / len(same)
-        measured, raw = self._ratio_sums.get((cell.model, cell.baseline), (0.0, 0.0))
-        if raw > 0:
-            return self.raw(cell) * measured / raw
-        if self._global[1] > 0:
-            return self.raw(cell) * self._global[0] / self._global[1]
-        return self.raw(cell)
+        group = self._groups.get((cell.model, cell.baseline)) or self._models.get(cell.model)
+        intercept = (group[2] - self._slope * group[1]) / group[0] if group else self._mean_intercept
+        return self._base(cell) * math.exp(intercept + self._slope * math.log(cell.concurrency))
 
     def observe(self, cell: Cell, seconds: float) -> None:
         self._by_coords[self._coords(cell)].append(seconds)
-        pair = self._ratio_sums[(cell.model, cell.baseline)]
-        pair[0] += seconds
-        pair[1] += self.raw(cell)
-        self._global[0] += seconds
-        self._global[1] += self.raw(cell)
+        self._cells_seen += 1
+        self._seconds_seen += seconds
+        x, y = math.log(cell.concurrency), math.log(max(seconds, 1e-6) / self._base(cell))
+        g = self._groups.setdefault((cell.model, cell.baseline), [0.0, 0.0, 0.0, 0.0, 0.0])
+        m = self._models.setdefault(cell.model, [0.0, 0.0, 0.0])
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            g[i] += v
+            if i < 3:
+                m[i] += v
+        num = den = 0.0
+        for n, sx, sy, sxx, sxy in self._groups.values():
+            num += sxy - sx * sy / n
+            den += sxx - sx * sx / n
+        self._slope = num / den if den > 1e-9 else self.DEFAULT_SLOPE
+        total = sum(g[0] for g in self._groups.values())
+        self._mean_intercept = sum(g[2] - self._slope * g[1] for g in self._groups.values()) / total
+
+    def measured(self, model: str) -> bool:
+        """Whether a cell of this model has been measured (its estimates are then in seconds)."""
+        return model in self._models
 
     def observe_load(self, key: LoadKey, seconds: float) -> None:
         self._loads[key].append(seconds)
@@ -91,7 +129,7 @@ class Estimator:
         every = [s for times in self._loads.values() for s in times]
         if every:
             return sum(every) / len(every)
-        return self._global[0] / max(1, len(self._by_coords)) if self._global[1] else 0.0
+        return self._seconds_seen / self._cells_seen if self._cells_seen else 0.0
 
 
 @dataclass
@@ -129,16 +167,20 @@ class Scheduler:
         """Remove and return every pending task of a key (e.g. its model cannot be loaded)."""
         return self.pending.pop(key, [])
 
-    def choose_key(self, holders: dict[LoadKey, int], current: LoadKey | None = None) -> LoadKey | None:
-        """The key a runner should serve next.
+    def choose_key(
+        self, holders: dict[LoadKey, int], current: LoadKey | None = None, *, rebalance: bool = False
+    ) -> LoadKey | None:
+        """The key a runner should serve next (None: stay idle).
 
-        ``holders`` counts the *other* runners holding (or loading) each key. A runner keeps its ``current``
-        key while it has pending cells; otherwise it moves to an unheld key (an unavoidable load) or steals
-        from the busiest key when that saves more than a load costs and the key has more pending cells than
-        holders. None: stay idle.
+        ``holders`` counts the *other* runners holding (or loading) each key. A runner whose key has pending
+        cells keeps it, unless ``rebalance`` allows a move (see ``rebalance_target``). A runner without work
+        takes a key no runner holds first (an unavoidable load), else steals from the key with the most pending
+        work per holder, W/h, when the switch pays: one more runner that first loads for L seconds finishes the
+        key at (W + L)/(h + 1) instead of W/h; it steals when W/(h + 1) > L, i.e. when the time saved is of the
+        order of the load it costs.
         """
         if current is not None and self.pending.get(current):
-            return current
+            return (self.rebalance_target(holders, current) if rebalance else None) or current
         keys = [k for k, q in self.pending.items() if q]
         if not keys:
             return None
@@ -152,4 +194,33 @@ class Scheduler:
         best = max(keys, key=lambda k: (self.pending_work(k) / holders[k], k))
         if self.pending_work(best) / (holders[best] + 1) > self.estimator.load_estimate(best):
             return best
+        return None
+
+    def rebalance_target(self, holders: dict[LoadKey, int], current: LoadKey) -> LoadKey | None:
+        """Move a runner from ``current`` (A), which still has work, to the key B with the most work per holder.
+
+        Before any measurement the split of runners over models is a guess: each model's cost is unknown. Once
+        both keys have measured cells, the runner moves when B's projected end drops, (W_B + L_B)/(h_B + 1) <
+        W_B/h_B, without A becoming the later one: W_A/(h_A - 1) <= (W_B + L_B)/(h_B + 1). That is McNaughton's
+        wrap-around: a runner works on A, then finishes its share on B. The driver allows one such move per
+        runner, so estimate noise cannot make runners oscillate.
+        """
+        h_a = holders.get(current, 0) + 1
+        if h_a < 2 or not self.estimator.measured(current[0]):
+            return None
+        candidates = [
+            k
+            for k, q in self.pending.items()
+            if k != current
+            and holders.get(k, 0) > 0
+            and len(q) > holders[k]
+            and self.estimator.measured(k[0])
+        ]
+        if not candidates:
+            return None
+        key = max(candidates, key=lambda k: (self.pending_work(k) / holders[k], k))
+        w_a, w_b, h_b = self.pending_work(current), self.pending_work(key), holders[key]
+        after_b = (w_b + self.estimator.load_estimate(key)) / (h_b + 1)
+        if after_b < w_b / h_b and w_a / (h_a - 1) <= after_b:
+            return key
         return None
