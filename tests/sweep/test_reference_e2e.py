@@ -1,0 +1,66 @@
+"""Local mode end to end with the reference engine (micro preset, trained once and cached): `pd-dflash run`
+starts its own single-node Ray cluster, a runner trains/loads the model and measures every cell."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from pd_dflash.schema import MEASURED_STATUSES, REQUIRED_METRICS, Status, parse_row
+from pd_dflash.spec import expand, parse_spec
+from tests.sweep.helpers import run_cli, stored_rows, write_spec
+
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the reference engine needs torch"),
+]
+
+SPEC = {
+    "name": "reference-micro",
+    "engine": "reference",
+    "models": [
+        {
+            "id": "micro",
+            "preset": "micro",
+            "draft": "micro-dflash",
+            "engine_options": {"emulated_h2d_gbps": 1.0},
+        }
+    ],
+    "baselines": ["B0", "B1", "B2", "B3", "OURS"],
+    "block_sizes": [4],
+    "concurrency": [1, 2],
+    "repeats": 1,
+    "workload": {"requests": 2, "warmup_rounds": 1, "prompt_tokens": 8, "max_new_tokens": 8},
+    "memory": {"expert_cache_fraction": 0.25},
+    "hardware": {"accelerator_type": "RTX-PRO-6000", "cpus_per_runner": 1, "device": "cpu"},
+    "local": {"fake_gpus": 1, "object_store_mb": 100},
+}
+
+
+def test_local_run_with_the_reference_engine_gives_a_complete_matrix_of_valid_rows(tmp_path):
+    path = write_spec(tmp_path / "spec.yaml", SPEC)
+    out = tmp_path / "out"
+    proc = run_cli("run", str(path), "--out", str(out), "--no-progress", timeout=600)
+    spec = parse_spec(SPEC)
+    rows = stored_rows(out)
+    assert sorted(r.cell_id for r in rows) == sorted(c.cell_id for c in expand(spec)), (
+        proc.stdout + proc.stderr
+    )
+    measured = []
+    for i, row in enumerate(rows):
+        parse_row(row.to_json_dict(), where=f"row {i}")
+        # Every configuration is measured, or refused by the engine with its reason (never an error).
+        assert row.status in MEASURED_STATUSES or row.status == Status.REFUSED, (row.status, row.reason)
+        if row.status in MEASURED_STATUSES:
+            measured.append(row)
+            assert row.engine["name"] == "reference" and row.runner["device"] == "cpu"
+            assert row.environment["packages"]["torch"]
+            present = [m for m in REQUIRED_METRICS if getattr(row, m) is not None]
+            assert row.status == Status.PARTIAL or present == list(REQUIRED_METRICS)
+    assert {r.baseline for r in measured} >= {"B0", "B3"}
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    matrix = json.loads((out / "result_matrix.json").read_text())
+    assert "micro|B4|c1" in matrix and "micro|B4|c2" in matrix
+    assert (out / "result_matrix.md").exists()
