@@ -363,6 +363,10 @@ class SweepDriver:
             self._take_out(slot.box, f"device check failed: {getattr(exc, 'cause', exc)}")
             return
         except RayActorError as exc:
+            if not self._node_alive(slot.box.node_id):  # the box is gone, the model is not to blame
+                self._kill(slot)
+                self._take_out(slot.box, f"node left the cluster (runner died while loading {key[0]})")
+                return
             self._load_failed(
                 slot, key, f"runner died while loading: {_first_line(exc)}", str(exc), died=True
             )

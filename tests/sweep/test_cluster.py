@@ -6,6 +6,8 @@ One cluster for the whole module (ray-anchors.md §4). The node-removal test run
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -221,6 +223,33 @@ def test_unwritable_results_directory_exits_before_any_actor_starts(cluster, tmp
     with pytest.raises(InputError, match="not writable"):
         run_sweep(make_spec(), options(tmp_path / "file" / "out"))
     assert actors_by_class() == before
+
+
+def test_a_collector_killed_mid_sweep_is_restarted_and_loses_no_row(cluster, tmp_path):
+    spec = make_spec(
+        models=[
+            {"id": "m1", "engine_options": {"seconds": 0.4}},
+            {"id": "m2", "engine_options": {"seconds": 0.4}},
+        ],
+        repeats=3,
+    )
+    out = tmp_path / "out"
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(outcome=run_sweep(spec, options(out))))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not (out / "rows.jsonl").exists() or len(stored_rows(out)) < 4):
+        time.sleep(0.05)
+    table = ray._private.state.state.actor_table(None).values()
+    pid = next(a["Pid"] for a in table if a["ActorClassName"].endswith("Collector") and a["State"] == "ALIVE")
+    os.kill(pid, signal.SIGKILL)
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert result["outcome"].exit_code == 0
+    rows = assert_complete(spec, out)
+    assert len(rows) == len(expand(spec)) == 36 and all(r.status == Status.OK for r in rows)
+    record = json.loads((out / "sweep.json").read_text())
+    assert len(record["runs"]) == 1 and record["runs"][0]["collector_restarts"] >= 1
 
 
 def test_removing_a_box_mid_sweep_loses_no_cell_and_duplicates_none(cluster, tmp_path):
