@@ -65,6 +65,10 @@ def _dtype_kind(value: Any) -> str | None:
     return "float"
 
 
+def _is_bool(x: Any) -> bool:
+    return isinstance(x, bool) or type(x).__name__ in ("bool", "bool_")  # numpy bool scalars too
+
+
 def _ndim(value: Any) -> int | None:
     ndim = getattr(value, "ndim", None)
     if ndim is None and hasattr(value, "dim"):
@@ -112,8 +116,8 @@ def routed_rows(routed: Any, kind: RoutedKind = "auto") -> tuple[frozenset[int],
     rows = [list(r) for r in rows]
     if kind == "auto":
         entries = [x for r in rows for x in r]
-        is_mask = bool(entries) and all(isinstance(x, bool) for x in entries)
-        if not is_mask and any(isinstance(x, bool) for x in entries):
+        is_mask = bool(entries) and all(_is_bool(x) for x in entries)
+        if not is_mask and any(_is_bool(x) for x in entries):
             raise ValueError("routed mixes bools and ids; pass kind='mask' or kind='ids'")
         kind = "mask" if is_mask else "ids"
     if kind == "mask":
@@ -131,7 +135,7 @@ def routed_rows(routed: Any, kind: RoutedKind = "auto") -> tuple[frozenset[int],
         for x in r:
             if isinstance(x, (list, tuple)):
                 raise ValueError(f"routed expert ids must be 2-D, row {i} nests deeper")
-            if isinstance(x, bool) or int(x) != x or x < 0:
+            if _is_bool(x) or int(x) != x or x < 0:
                 raise ValueError(f"routed expert id {x!r} in row {i} is not a non-negative integer")
             ids.add(int(x))
         out.append(frozenset(ids))

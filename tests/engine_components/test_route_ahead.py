@@ -170,6 +170,8 @@ def test_tensor_mask_ids_and_lists_agree():
     assert routed_rows(topk) == expected
     assert routed_rows([[0, 1], [2, 1], [5, 3]]) == expected
     assert routed_rows(torch.tensor(MASK, dtype=torch.float32), kind="mask") == expected
+    assert routed_rows(torch.tensor(MASK).numpy()) == expected
+    assert routed_rows([list(row) for row in torch.tensor(MASK).numpy()]) == expected  # numpy bool scalars
     for routed in (mask, topk):
         stats = RouteAheadStats()
         stats.begin_step()

@@ -125,7 +125,7 @@ def simulate(scheduler, requests, shuffle_seed):
         for k in range(len(dims)):
             assert out.available[k] == scheduler.budget[k] + carried_in[k]
             assert new[k] <= max(0, out.available[k] - seated[k])  # budgets respected
-            if new[k]:
+            if len(out.admitted) > len(out.seated):  # something new: the whole batch fits budget + carried
                 assert out.used[k] <= out.available[k]
             assert 0 <= out.carried[k] <= scheduler.cap[k]  # carried within [0, cap]
         assert set(out.seated) == {i for i in by_id if i in admitted_at}  # in-flight always seated
