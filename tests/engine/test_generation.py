@@ -16,7 +16,7 @@ from pd_dflash.engine.reference.decode import (
 )
 from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.families import family_of
-from pd_dflash.engine.reference.link import ThreadLink
+from pd_dflash.engine.reference.link import HostLink
 from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
 from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
 from tests.engine.conftest import eager_copy, tiny_model
@@ -35,7 +35,7 @@ def runtime(target, store, *, fraction=None, policy="lru", gbps=None):
     if fraction is None:
         cache = ExpertCache(store, store.total_bytes, CPU, torch.float32)
     else:
-        link = ThreadLink(gbps)
+        link = HostLink(gbps)
         cache = ExpertCache(
             store, int(fraction * store.total_bytes), CPU, torch.float32, policy=policy, link=link
         )

@@ -20,7 +20,7 @@ from pd_dflash.engine.interface import Engine, EngineContext
 from pd_dflash.engine.probe import measure_h2d_bytes_per_second
 from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Request, TargetModel, run_requests
 from pd_dflash.engine.reference.expert_cache import ExpertCache
-from pd_dflash.engine.reference.link import CudaLink, ThreadLink
+from pd_dflash.engine.reference.link import CudaLink, HostLink
 from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts, assemble
 from pd_dflash.engine.reference.models import load_model, make_prompts
 from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
@@ -55,11 +55,16 @@ class ReferenceEngine(Engine):
             dtype=self.options.dtype,
         )
         model = self.loaded.model
+        self.compute_dtype = next(model.parameters()).dtype
+        self.storage_dtype = self.options.storage_dtype
+        if self.storage_dtype == "auto":
+            self.storage_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
+                self.compute_dtype
+            ]
         self.store = install_offload(
-            model, self.loaded.family, self.options.storage_dtype, pin=self.device.type == "cuda"
+            model, self.loaded.family, self.storage_dtype, pin=self.device.type == "cuda"
         )
         model.to(self.device)  # everything but the routed experts, which now live in the host store
-        self.compute_dtype = next(model.parameters()).dtype
         self.target = TargetModel(model, self.loaded.family, self.device)
         self.top_k = int(model.config.num_experts_per_tok)
         self.probe_bytes_per_second = (
@@ -78,7 +83,7 @@ class ReferenceEngine(Engine):
             "family": self.loaded.family.name,
             "device": str(self.device),
             "dtype": str(self.compute_dtype).replace("torch.", ""),
-            "storage_dtype": self.options.storage_dtype,
+            "storage_dtype": self.storage_dtype,
             "experts_per_layer": self.store.num_experts,
             "top_k": self.top_k,
             "moe_layers": len(self.store.layer_ids),
@@ -191,7 +196,7 @@ class ReferenceEngine(Engine):
                 LinkFacts("real", probe_bytes_per_second=self.probe_bytes_per_second),
             )
         else:
-            link = ThreadLink(opts.emulated_h2d_gbps, opts.emulated_latency_us)
+            link = HostLink(opts.emulated_h2d_gbps, opts.emulated_latency_us)
             facts = LinkFacts(
                 link.kind,
                 emulated_gbps=opts.emulated_h2d_gbps,

@@ -71,7 +71,7 @@ class ExpertCache:
     device: torch.device
     compute_dtype: torch.dtype
     policy: str = "lru"
-    #: A link (ThreadLink / CudaLink); None = resident: every expert is loaded up front, nothing moves.
+    #: A link (HostLink / CudaLink); None = resident: every expert is loaded up front, nothing moves.
     link: object | None = None
     counters: CacheCounters = field(default_factory=CacheCounters)
 

@@ -20,7 +20,7 @@ FP8_E4M3_MAX = 448.0
 
 class HostExpertStore:
     """Per MoE layer and tensor, one ``[E, ...]`` host tensor; expert ``e``'s payload is the contiguous slice
-    ``[e]`` of each (plus its fp8 scales)."""
+    ``[e]`` of each (plus its fp8 scales). ``layers`` ({layer: tensors}) is consumed."""
 
     def __init__(
         self, layers: dict[int, list[torch.Tensor]], storage: str = "fp32", pin: bool = False
@@ -32,7 +32,8 @@ class HostExpertStore:
         self.storage = storage
         self.parts: dict[int, list[torch.Tensor]] = {}
         self.scales: dict[int, list[torch.Tensor | None]] = {}
-        for layer, tensors in layers.items():
+        for layer in sorted(layers):
+            tensors = layers.pop(layer)  # drop the source as we go: peak host memory ≈ one layer extra
             parts, scales = [], []
             for t in tensors:
                 q, s = _quantize(t.detach(), storage)

@@ -4,17 +4,16 @@
   high-priority one for on-demand fetches, one for prefetches), timed with CUDA events. Compute waits only for
   the experts it needs (``wait_event`` on the compute stream); the stall is measured by an event pair around
   that wait, so exposed fetch time is GPU time the compute stream spent blocked.
-- ``ThreadLink``: the CPU engine's link. A background thread serves a transfer queue in order (on-demand
-  before queued prefetches), doing the real copy into the slot; with emulation (``gbps``, ``latency_us``) each
-  transfer occupies the link for bytes/BW + latency of wall time (it sleeps: no CPU), so a prefetch really
-  overlaps compute and an on-demand fetch really exposes its wait.
+- ``HostLink``: the CPU engine's link: a real copy into the slot and, with emulation (``gbps``,
+  ``latency_us``), a link that serves transfers one at a time (on-demand before queued prefetches), each taking
+  bytes/BW + latency of wall time, so a prefetch really overlaps compute and an on-demand fetch really exposes
+  its wait (compute sleeps: no CPU). The link's timeline is simulated, not driven by a helper thread: a thread
+  that must win the GIL and the OS scheduler to signal a completion delivered 1 GB/s as 0.03 GB/s here.
 """
 
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
 import time
 
 import torch
@@ -26,39 +25,48 @@ class Transfer:
     """One expert's host→device copy."""
 
     __slots__ = (
-        "_done",
         "demand",
         "dst",
         "end",
         "end_event",
         "nbytes",
-        "promoted",
+        "priority",
+        "scheduled",
+        "seq",
         "src",
         "start",
         "start_event",
-        "started",
+        "submitted",
     )
 
-    def __init__(self, nbytes: int, demand: bool, dst=None, src=None) -> None:
-        self.nbytes, self.demand, self.dst, self.src = nbytes, demand, dst, src
+    def __init__(self, nbytes: int, demand: bool, dst=None, src=None, seq: int = 0) -> None:
+        self.nbytes, self.demand, self.dst, self.src, self.seq = nbytes, demand, dst, src, seq
+        self.priority = 0 if demand else 1
+        self.submitted = time.perf_counter()
         self.start: float | None = None
         self.end: float | None = None
-        self.started = self.promoted = False
-        self._done = threading.Event()
+        self.scheduled = False
         self.start_event = self.end_event = None  # CUDA events
 
 
-class ThreadLink:
-    """CPU link: a thread copying host tensors into slots, optionally paced at an emulated bandwidth."""
+class HostLink:
+    """The CPU engine's link: a real copy into the slot, optionally paced as an emulated link.
+
+    Emulated (``gbps`` set): one transfer at a time, on-demand before queued prefetches, each occupying the
+    link for ``nbytes / BW + latency`` of wall time. The link keeps its own timeline (a single-server priority
+    queue simulated lazily whenever compute looks at it), so nothing depends on when a helper thread gets the
+    GIL or the OS scheduler: a prefetch issued early is really done by the time compute needs it, and
+    compute that needs an expert still on the link really sleeps until its completion time (no CPU spent).
+    A transfer's copy is performed when the link starts it. Not emulated: the copy happens at once (a host
+    memcpy) and its measured duration is the transfer time.
+    """
 
     def __init__(self, gbps: float | None = None, latency_us: float = 0.0) -> None:
         self.gbps, self.latency_us = gbps, float(latency_us)
         self.kind = "emulated" if gbps else "real"
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._pending: list[Transfer] = []
+        self._free_at = 0.0
         self._seq = itertools.count()
-        self._busy_until = 0.0  # the emulated link's timeline: sleep overshoot does not accumulate
-        self._thread = threading.Thread(target=self._serve, name="pd-dflash-link", daemon=True)
-        self._thread.start()
 
     def describe(self) -> dict:
         if self.gbps:
@@ -67,29 +75,37 @@ class ThreadLink:
                 "emulated_h2d_gbps": self.gbps,
                 "emulated_latency_us": self.latency_us,
             }
-        return {"link": "host memcpy on a link thread (CPU, not emulated)"}
+        return {"link": "host memcpy (CPU, not emulated)"}
 
     def submit(self, dst: list[torch.Tensor], src: list[torch.Tensor], nbytes: int, demand: bool, after=None):
-        t = Transfer(nbytes, demand, dst, src)
-        self._queue.put((0 if demand else 1, next(self._seq), t))
+        t = Transfer(nbytes, demand, dst, src, next(self._seq))
+        if not self.gbps:
+            self._run(t, time.perf_counter())
+            t.end = time.perf_counter()
+            return t
+        self._pending.append(t)
+        self._advance(t.submitted)
         return t
 
     def promote(self, t: Transfer) -> None:
         """Compute now needs a queued prefetch: serve it with on-demand priority."""
-        if not t.started and not t.promoted:
-            t.promoted = True
-            self._queue.put((0, next(self._seq), t))
+        if not t.scheduled:
+            t.priority = 0
 
     def done(self, t: Transfer) -> bool:
-        return t._done.is_set()
+        now = time.perf_counter()
+        self._advance(now)
+        return t.scheduled and t.end <= now
 
     def wait(self, t: Transfer) -> float:
         """Block until ``t`` is in its slot; returns the seconds compute waited (exposed)."""
-        if t._done.is_set():
-            return 0.0
+        while not t.scheduled:
+            self._advance(float("inf"), stop_after_one=True)
         start = time.perf_counter()
-        t._done.wait()
-        return time.perf_counter() - start
+        if t.end > start:
+            time.sleep(t.end - start)
+            return time.perf_counter() - start
+        return 0.0
 
     host_wait = wait
 
@@ -103,33 +119,26 @@ class ThreadLink:
         pass
 
     def close(self) -> None:
-        self._queue.put((-1, next(self._seq), None))
-        self._thread.join(timeout=10)
+        self._pending.clear()
 
-    def _serve(self) -> None:
-        while True:
-            _, _, t = self._queue.get()
-            if t is None:
+    def _advance(self, until: float, stop_after_one: bool = False) -> None:
+        """Start, in link time, every queued transfer whose start time is at or before ``until``."""
+        while self._pending:
+            ready = max(self._free_at, min(t.submitted for t in self._pending))
+            if ready > until:
                 return
-            if t.started:  # a promoted prefetch is queued twice; serve it once
-                continue
-            t.started = True
-            self._copy(t)
+            t = min((t for t in self._pending if t.submitted <= ready), key=lambda t: (t.priority, t.seq))
+            self._pending.remove(t)
+            self._run(t, ready)
+            t.end = self._free_at = ready + t.nbytes / (self.gbps * 1e9) + self.latency_us * 1e-6
+            if stop_after_one:
+                return
 
-    def _copy(self, t: Transfer) -> None:
+    def _run(self, t: Transfer, start: float) -> None:
         with nvtx_range("expert_h2d"):
-            t.start = time.perf_counter()
             for d, s in zip(t.dst, t.src, strict=True):
                 d.copy_(s)
-            if self.gbps:
-                begin = max(t.start, self._busy_until)
-                self._busy_until = begin + t.nbytes / (self.gbps * 1e9) + self.latency_us * 1e-6
-                delay = self._busy_until - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-            t.end = time.perf_counter()
-        t.dst = t.src = None
-        t._done.set()
+        t.start, t.scheduled, t.dst, t.src = start, True, None, None
 
 
 class CudaLink:
@@ -161,7 +170,7 @@ class CudaLink:
             for d, s in zip(dst, src, strict=True):
                 d.copy_(s, non_blocking=True)
             t.end_event.record(stream)
-        t.started = True
+        t.scheduled = True
         return t
 
     def promote(self, t: Transfer) -> None:

@@ -179,6 +179,9 @@ def assemble(m: CellMeasurement, slo: SLO) -> EngineResult:
             "ready_hit_rate": c.ready_hits / c.accesses if c.accesses else None,
             "exposed_fetch_fraction": c.exposed_seconds / elapsed,
             "needed_experts_per_round_mean": sum(rt.needed_per_round) / max(1, len(rt.needed_per_round)),
+            "occupancy_bytes_mean": sum(rt.occupancy_per_round) / max(1, len(rt.occupancy_per_round)),
+            # Occupancy over time: end-of-round samples, at most 64 evenly spaced.
+            "occupancy_bytes_series": _downsample(rt.occupancy_per_round, 64),
         },
     }
     return EngineResult(
@@ -198,3 +201,9 @@ def assemble(m: CellMeasurement, slo: SLO) -> EngineResult:
         telemetry=m.telemetry,
         timings=m.timings,
     )
+
+
+def _downsample(xs: list[int], n: int) -> list[int]:
+    if len(xs) <= n:
+        return list(xs)
+    return [xs[round(i * (len(xs) - 1) / (n - 1))] for i in range(n)]

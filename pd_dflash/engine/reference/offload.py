@@ -75,6 +75,8 @@ class OffloadRuntime:
         #: committed round since the last reset.
         self.round_needed = 0
         self.needed_per_round: list[int] = []
+        #: Device expert-cache occupancy (bytes) at the end of each round since the last reset.
+        self.occupancy_per_round: list[int] = []
 
     def attach(self, model: nn.Module) -> None:
         for layer in model.model.layers:
@@ -86,7 +88,7 @@ class OffloadRuntime:
         """After warm-up: counters and statistics restart; cache contents and prefetch history stay warm."""
         self.cache.reset_counters()
         self.stats = RouteAheadStats()
-        self.needed_per_round = []
+        self.needed_per_round, self.occupancy_per_round = [], []
 
     # -- decode-loop hooks -------------------------------------------------------------------------------------
     def begin_round(self, owners: list[tuple[object, int]]) -> None:
@@ -104,6 +106,7 @@ class OffloadRuntime:
         self.stats.commit_step(kept_rows, kept_spans=kept_spans)
         self.cache.collect()
         self.needed_per_round.append(self.round_needed)
+        self.occupancy_per_round.append(self.cache.occupancy_bytes)
 
     def forget(self, rid: object) -> None:
         if self.prefetcher is not None:

@@ -26,8 +26,9 @@ class ReferenceOptions(BaseModel):
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     #: Seed of a preset's training (part of the preset cache key).
     train_seed: int = 0
-    #: How expert weights are stored in the host store (fp8 = e4m3 with a per-expert scale).
-    storage_dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    #: How expert weights are stored in the host store and moved ("auto" = the compute dtype; fp8 = e4m3
+    #: with a per-expert scale, dequantized on use).
+    storage_dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
     #: Route-ahead ablation: also prefetch the next round's likely experts.
     cross_round_prefetch: bool = False
     #: Directory for trained presets (default: $PD_DFLASH_CACHE or ~/.cache/pd-dflash).
