@@ -148,3 +148,16 @@ def test_prefetch_statistics_are_on_the_route_ahead_scale(micro):
     assert stats["predicted_prefetch_bytes"] == stats["predicted_experts"] * store.expert_nbytes
     assert stats["kept_experts"] == stats["actual_experts"]  # AR keeps every row
     rt.close()
+
+
+def test_forwards_outside_a_round_fetch_but_do_not_feed_the_statistics(micro):
+    model, _ = micro
+    target, store = offloaded(model)
+    rt = runtime(target, store, fraction=0.3, gbps=5.0)
+    ids = torch.tensor([prompts_for(model.config.vocab_size, n=1, length=8)[0]])
+    with torch.no_grad():
+        target.model(ids)  # e.g. a drafter running target layers between rounds
+        target.model(ids)
+    assert rt.cache.counters.accesses > 0
+    assert rt.stats.as_dict()["steps"] == 0 and rt.needed_per_round == []
+    rt.close()

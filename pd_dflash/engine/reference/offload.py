@@ -77,6 +77,10 @@ class OffloadRuntime:
         self.needed_per_round: list[int] = []
         #: Device expert-cache occupancy (bytes) at the end of each round since the last reset.
         self.occupancy_per_round: list[int] = []
+        #: Between begin_round and end_round: MoE layers then feed the statistics and the prefetcher. Outside a
+        #: round (e.g. a drafter running target layers) experts are still fetched and counted, nothing else.
+        self.in_round = False
+        self._observed: set[int] = set()
 
     def attach(self, model: nn.Module) -> None:
         for layer in model.model.layers:
@@ -95,7 +99,7 @@ class OffloadRuntime:
         """Before the target forward: ``owners`` = (request id, rows) in row order."""
         self.cache.begin_round()
         self.stats.begin_step()
-        self.round_needed = 0
+        self.round_needed, self.in_round, self._observed = 0, True, set()
         if self.prefetcher is not None:
             self.prefetcher.begin_round(self.cache, owners)
 
@@ -103,6 +107,7 @@ class OffloadRuntime:
         self, *, kept_rows: int | None = None, kept_spans: list[tuple[int, int]] | None = None
     ) -> None:
         """After the accept rule: AR keeps every row (``kept_rows`` = tokens of the round)."""
+        self.in_round = False
         self.stats.commit_step(kept_rows, kept_spans=kept_spans)
         self.cache.collect()
         self.needed_per_round.append(self.round_needed)
@@ -118,12 +123,16 @@ class OffloadRuntime:
     # -- the experts seam ------------------------------------------------------------------------------------
     def run_layer(self, layer: int, top_k_index: torch.Tensor, compute: Callable[[int, list], None]) -> None:
         needed = torch.unique(top_k_index).tolist()  # ascending, like the eager path
-        self.round_needed += len(needed)
-        issued = self.prefetcher is not None and self.prefetcher.issue and not self.cache.resident
-        predicted = self.prefetcher.predicted.get(layer, frozenset()) if self.prefetcher is not None else ()
-        self.stats.observe_layer(
-            layer, predicted, top_k_index, expert_nbytes=self.store.nbytes_map(layer) if issued else None
-        )
+        observe = self.in_round and layer not in self._observed
+        prefetcher = self.prefetcher if observe else None
+        if observe:
+            self._observed.add(layer)
+            self.round_needed += len(needed)
+            issued = prefetcher is not None and prefetcher.issue and not self.cache.resident
+            predicted = prefetcher.predicted.get(layer, frozenset()) if prefetcher is not None else ()
+            self.stats.observe_layer(
+                layer, predicted, top_k_index, expert_nbytes=self.store.nbytes_map(layer) if issued else None
+            )
         todo, window = deque(needed), deque()
 
         def fill() -> None:
@@ -134,8 +143,8 @@ class OffloadRuntime:
                 window.append((todo.popleft(), entry))
 
         fill()
-        if self.prefetcher is not None:
-            self.prefetcher.after_layer(self.cache, layer, top_k_index)
+        if prefetcher is not None:
+            prefetcher.after_layer(self.cache, layer, top_k_index)
         while window:
             expert, entry = window.popleft()
             compute(expert, self.cache.weights(entry))
