@@ -100,6 +100,8 @@ class HostLink:
     def wait(self, t: Transfer) -> float:
         """Block until ``t`` is in its slot; returns the seconds compute waited (exposed)."""
         while not t.scheduled:
+            if not self._pending:
+                raise RuntimeError("waiting for a transfer this link no longer holds (link closed?)")
             self._advance(float("inf"), stop_after_one=True)
         start = time.perf_counter()
         if t.end > start:
