@@ -4,7 +4,8 @@ Capacity is in bytes and becomes ``capacity // expert_nbytes`` slots preallocate
 can never exceed it. An entry is pinned while a step computes with it and cannot be evicted while its transfer
 is in flight. Every access is classified at the moment compute asks for the expert:
 
-- hit: in the cache (ready, or in flight from an earlier prefetch: no new transfer is issued);
+- hit: resident and ready (its transfer, if any, has landed);
+- in-flight hit: in the cache but still on the link (an earlier prefetch): no new transfer, compute waits;
 - miss: not in the cache, fetched on demand;
 - resident at round start: it was in the cache before the current round began (the hide inequality's r).
 
@@ -28,7 +29,7 @@ POLICIES = ("lru", "lfu")
 class CacheCounters:
     accesses: int = 0
     hits: int = 0
-    ready_hits: int = 0
+    inflight_hits: int = 0
     misses: int = 0
     resident_at_round_start: int = 0
     demand_transfers: int = 0
@@ -126,12 +127,12 @@ class ExpertCache:
             entry = self._insert(key, slot, demand=True)
             self.counters.misses += 1
         else:
-            self.counters.hits += 1
             if entry.inserted_round < self.round:
                 self.counters.resident_at_round_start += 1
             if entry.transfer is None or self.link.done(entry.transfer):
-                self.counters.ready_hits += 1
+                self.counters.hits += 1
             else:
+                self.counters.inflight_hits += 1
                 self.link.promote(entry.transfer)
         self.counters.accesses += 1
         self.frequency[key] = self.frequency.get(key, 0) + 1

@@ -176,7 +176,8 @@ def assemble(m: CellMeasurement, slo: SLO) -> EngineResult:
             "policy": rt.cache.policy,
             "resident": rt.cache.resident,
             **{k: v for k, v in vars(c).items()},
-            "ready_hit_rate": c.ready_hits / c.accesses if c.accesses else None,
+            # Found in the cache at all (ready or still in flight from a prefetch): no new transfer issued.
+            "in_cache_rate": (c.hits + c.inflight_hits) / c.accesses if c.accesses else None,
             "exposed_fetch_fraction": c.exposed_seconds / elapsed,
             "needed_experts_per_round_mean": sum(rt.needed_per_round) / max(1, len(rt.needed_per_round)),
             "occupancy_bytes_mean": sum(rt.occupancy_per_round) / max(1, len(rt.occupancy_per_round)),
