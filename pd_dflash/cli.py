@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BASELINE",
         help="baselines whose blocked rows do not make a group incomplete (e.g. B2)",
     )
+    p.add_argument(
+        "--allow-unmeasured",
+        nargs="*",
+        default=None,
+        metavar="METRIC",
+        help="metrics an engine cannot observe (PARTIAL rows) that do not make a group incomplete",
+    )
     p.add_argument("--plots", action="store_true", help="also write PNG plots")
     p.set_defaults(func=_lazy("pd_dflash.report:report_main"))
 

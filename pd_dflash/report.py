@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pd_dflash.errors import InputError
+from pydantic import ValidationError
+
+from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.report_aggregate import UPSTREAM_BASELINES, build_matrix
 from pd_dflash.report_gates import Expectations, evaluate, overall
 from pd_dflash.report_render import dumps, matrix_csv, matrix_json, matrix_markdown
@@ -93,7 +95,14 @@ def _gates(args: argparse.Namespace) -> tuple[Gates, SweepSpec | None]:
             where="--allow-blocked",
         )
     merged = [b for b in BASELINE_ORDER if b in set(gates.allow_blocked) | set(extra)]
-    return Gates.model_validate({**gates.model_dump(), "allow_blocked": merged}), spec
+    unmeasured = list(gates.allow_unmeasured)
+    unmeasured += [m for m in getattr(args, "allow_unmeasured", None) or [] if m not in unmeasured]
+    try:
+        return Gates.model_validate(
+            {**gates.model_dump(), "allow_blocked": merged, "allow_unmeasured": unmeasured}
+        ), spec
+    except ValidationError as exc:
+        raise InputError(format_validation_error(exc), where="--allow-unmeasured") from None
 
 
 def _sources(path: Path, count: int) -> list[str]:

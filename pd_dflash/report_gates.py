@@ -68,12 +68,19 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
-def _completeness(group: Group, expect: Expectations, allow: set[str]) -> dict[str, Any]:
-    """Upstream's present/blocked/missing/invalid lists, plus repeats, failures and PARTIAL rows."""
+def _completeness(
+    group: Group, expect: Expectations, allow: set[str], unmeasured_ok: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """Upstream's present/blocked/missing/invalid lists, plus repeats, failures and PARTIAL rows.
+
+    A PARTIAL row whose absent metrics are all in ``unmeasured_ok`` (gates.allow_unmeasured) keeps the group
+    complete; the absence is still listed under ``unmeasured``.
+    """
     missing, blocked, allowed, invalid = [], [], [], []
     missing_repeats: dict[str, list[int]] = {}
     failed: dict[str, list[str]] = {}
     partial: dict[str, list[str]] = {}
+    unmeasured: dict[str, list[str]] = {}
     mismatches: dict[str, list[str]] = {}
     for b in expect.baselines:
         if b not in group.by_baseline:
@@ -92,8 +99,9 @@ def _completeness(group: Group, expect: Expectations, allow: set[str]) -> dict[s
                 failed.setdefault(b, []).append(f"repeat {p.row.repeat}: {st.value} ({p.row.reason})")
             elif st == Status.PARTIAL:
                 for m in p.row.missing_metrics():
-                    if m not in partial.setdefault(b, []):
-                        partial[b].append(m)
+                    bucket = unmeasured if m in unmeasured_ok else partial
+                    if m not in bucket.setdefault(b, []):
+                        bucket[b].append(m)
             if p.hide_mismatch:
                 mismatches.setdefault(b, []).append(f"repeat {p.row.repeat} ({p.source}): {p.hide_mismatch}")
         if b in mismatches:
@@ -118,6 +126,7 @@ def _completeness(group: Group, expect: Expectations, allow: set[str]) -> dict[s
         "invalid_detail": mismatches,
         "failed": failed,
         "partial": partial,
+        "unmeasured": unmeasured,
         "missing_repeats": {b: r for b, r in missing_repeats.items()},
         "complete": complete,
         "valid": not invalid,
@@ -314,7 +323,7 @@ def _ordering(matrix: Matrix, group: Group, expect: Expectations, gates: Gates, 
 def evaluate_group(matrix: Matrix, group: Group, gates: Gates, expect: Expectations) -> dict[str, Any]:
     """The verdict of one group: upstream's detail keys, completeness, BM1, and every gate."""
     allow = set(gates.allow_blocked)
-    detail = _completeness(group, expect, allow)
+    detail = _completeness(group, expect, allow, frozenset(gates.allow_unmeasured))
     skipped = _skipped(group, allow)
     bm1_gate, bm1 = _bm1(matrix, group, expect)
     shared = {b: list(ps[0].shared) for b, ps in group.by_baseline.items() if ps[0].shared}

@@ -145,7 +145,8 @@ def matrix_markdown(matrix: Matrix, verdicts: dict[str, dict], overall: dict, ga
         f"{overall['groups_complete']}",
         f"- gates: coverage ≥ {gates.min_coverage}, waste ratio ≤ {gates.max_waste_ratio}, speedup over B0 ≥ "
         f"{gates.min_speedup_over_b0}, ordering B0 < B1 < OURS ≤ B3: {'on' if gates.require_ordering else 'off'}, "
-        f"allowed blocked: {', '.join(gates.allow_blocked) or 'none'}",
+        f"allowed blocked: {', '.join(gates.allow_blocked) or 'none'}, "
+        f"allowed unmeasured: {', '.join(gates.allow_unmeasured) or 'none'}",
         "- cells are mean ± half-width of the Student-t 95% interval over repeats (no ± with one repeat); "
         "definitions in docs/metrics.md",
     ]

@@ -143,6 +143,19 @@ class Gates(_Strict):
     require_ordering: bool = True
     #: Baselines whose blocked rows do not make a group incomplete (upstream's --allow-blocked).
     allow_blocked: list[Baseline] = Field(default_factory=list)
+    #: Metrics an engine cannot observe (its PARTIAL rows say so) that do not make a group incomplete, e.g.
+    #: ``route_ahead_prefetch_coverage`` for MoE-Infinity's AR prefetcher. Gates needing them stay "not evaluated".
+    allow_unmeasured: list[str] = Field(default_factory=list)
+
+    @field_validator("allow_unmeasured")
+    @classmethod
+    def _known_metrics(cls, v: list[str]) -> list[str]:
+        from pd_dflash.schema import REQUIRED_METRICS
+
+        for m in v:
+            if m not in REQUIRED_METRICS:
+                raise ValueError(f"unknown metric {m!r}; use names from REQUIRED_METRICS")
+        return _unique(v, "allow_unmeasured")
 
 
 class Local(_Strict):

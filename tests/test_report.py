@@ -262,6 +262,21 @@ def test_allow_blocked_from_spec_and_cli_and_unknown_name(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_allow_unmeasured_cli_flag(tmp_path):
+    rows = upstream_group()
+    for r in rows:
+        if r["baseline"] == "B1":
+            del r["route_ahead_prefetch_coverage"]
+            r.update(status="PARTIAL", warnings=["route_ahead_prefetch_coverage: no accessor"])
+    raw = tmp_path / "rows.json"
+    raw.write_text(json.dumps(rows))
+    args = ("report", raw, "--allow-blocked", "B2")
+    assert run_cli(*args, "--out", tmp_path / "a") == 1
+    assert run_cli(*args, "--out", tmp_path / "b", "--allow-unmeasured", "route_ahead_prefetch_coverage") == 0
+    assert run_cli(*args, "--out", tmp_path / "c", "--allow-unmeasured", "coverage") == 2
+    assert not (tmp_path / "c").exists()
+
+
 def test_unavailable_capacity_b3_is_blocked_unless_allowed(tmp_path, capsys):
     rows = upstream_group()
     rows[2] = upstream("B2", tps=35.0)

@@ -251,6 +251,30 @@ def test_partial_row_is_present_but_incomplete():
     assert row["repeat_statuses"] == {"0": "OK", "1": "PARTIAL", "2": "OK"}
 
 
+def test_allow_unmeasured_keeps_a_group_complete_but_lists_the_gap():
+    # MoE-Infinity cannot observe its AR prefetcher: B1 rows carry no coverage at all.
+    def no_ar_coverage(cell):
+        if cell.baseline == "B1":
+            return {
+                "route_ahead_prefetch_coverage": None,
+                "status": "PARTIAL",
+                "warnings": ["route_ahead_prefetch_coverage: no accessor"],
+            }
+        return {}
+
+    rows = synth_rows(tweak=no_ar_coverage)
+    verdict, _ = report(rows)
+    assert verdict["groups"][KEY]["complete"] is False and verdict["exit_code"] == 1
+    verdict, files = report(rows, Gates(allow_unmeasured=["route_ahead_prefetch_coverage"]))
+    detail = verdict["groups"][KEY]
+    assert detail["complete"] is True and detail["partial"] == {}
+    assert detail["unmeasured"] == {"B1": ["route_ahead_prefetch_coverage"]}
+    assert gate(verdict, "coverage")["status"] == "pass"  # judged on OURS, which measured it
+    assert "allowed unmeasured: route_ahead_prefetch_coverage" in files["result_matrix.md"]
+    with pytest.raises(ValueError, match="unknown metric"):
+        Gates(allow_unmeasured=["vibes"])
+
+
 def test_missing_repeat_and_failed_repeat_are_incomplete():
     rows = [r for r in synth_rows() if not (r.baseline == "B1" and r.repeat == 2)]
     verdict, _ = report(rows, spec=False)
