@@ -123,6 +123,9 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=1.0, help="base cell duration before the factors")
     p.add_argument("--load-seconds", type=float, default=0.5, help="engine construction time per model load")
     p.add_argument("--quick", action="store_true", help="1 repeat and no upstream run")
+    p.add_argument(
+        "--no-upstream", action="store_true", help="skip the upstream-way run (~6 minutes of sleeps)"
+    )
     args = p.parse_args()
     repeats = 1 if args.quick else args.repeats
     spec = parse_spec(benchmark_spec(repeats, args.seconds, args.load_seconds))
@@ -154,6 +157,17 @@ def main() -> int:
         f"median {percentile(gaps_ms, 50):.1f} ms, p99 {percentile(gaps_ms, 99):.1f} ms, "
         f"max {gaps_ms[-1]:.1f} ms (target <= 20 ms)"
     )
+    for queued, what in (
+        (True, "queued behind the previous cell"),
+        (False, "sent after the previous finished"),
+    ):
+        part = sorted(
+            g * 1000 for g, q in zip(stats["gaps_s"], stats["gap_queued"], strict=True) if q == queued
+        )
+        if part:
+            print(
+                f"  {what}: n={len(part)}, median {percentile(part, 50):.1f} ms, p99 {percentile(part, 99):.1f} ms"
+            )
     print(
         f"makespan {makespan:.1f} s; ideal bound max(sum of cell times / {gpus} GPUs, longest cell) = {bound:.1f} s "
         f"-> {makespan / bound:.3f} x bound; with one runner start + model load per GPU "
@@ -164,7 +178,7 @@ def main() -> int:
         f"model loads: {outcome.loads} (minimum {used}: one per GPU; McNaughton bound runners + keys - 1 = "
         f"{used + keys - 1}); end to end incl. preflight and final matrix: {outcome.wall_s:.1f} s"
     )
-    if not args.quick:
+    if not (args.quick or args.no_upstream):
         upstream = run_upstream_way(spec)
         print(
             f"upstream way (one GPU, sequential, a model load per cell, in process): {upstream:.1f} s "

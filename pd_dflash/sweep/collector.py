@@ -1,8 +1,8 @@
 """The collector actor: the only writer of the sweep directory, pinned to the head box.
 
 It validates each row against the row contract, appends it durably (``SweepStore.add``: flush + fsync, a
-duplicate of a stored cell is ignored), and rewrites the result matrices every N rows or T seconds and at the
-end. Ray restarts it if its process dies (``max_restarts=-1``) and retries the call it was serving
+duplicate of a stored cell is ignored), and rewrites the result matrices every N rows (at most every 10 s) or T
+seconds, and at the end. Ray restarts it if its process dies (``max_restarts=-1``) and retries the call it was serving
 (``max_task_retries=-1``); the store is reloaded from disk, so a retried row is recognised as a duplicate.
 """
 
@@ -20,6 +20,8 @@ from pd_dflash.sweep.store import Mode, SweepStore
 
 #: Ray's built-in resource of the head node: pins the collector next to the results directory.
 HEAD_RESOURCE = "node:__internal_head__"
+#: The matrices are rewritten every N rows, but not more often than this (the report costs CPU on the head).
+MIN_MATRIX_INTERVAL_S = 10.0
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1, resources={HEAD_RESOURCE: 0.001})
@@ -59,8 +61,10 @@ class Collector:
         stored = self.store.add(parse_row(row, where=f"row of cell {row.get('cell_id')}"), error_text)
         if stored:
             self._since_matrix += 1
-        if self._since_matrix >= self.every_rows or (
-            self._since_matrix and time.monotonic() - self._matrix_at >= self.every_s
+        elapsed = time.monotonic() - self._matrix_at
+        if self._since_matrix and (
+            elapsed >= self.every_s
+            or (self._since_matrix >= self.every_rows and elapsed >= MIN_MATRIX_INTERVAL_S)
         ):
             self._write_matrices(plots=False)
         return stored

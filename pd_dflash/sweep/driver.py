@@ -100,6 +100,8 @@ class Call:
     submitted: float
     #: When the cell started running (monotonic, as the driver knows it); None while queued behind another.
     started: float | None = None
+    #: Submitted while another cell was running on the runner (so it could start without a round trip).
+    queued: bool = False
 
 
 @dataclass
@@ -143,6 +145,7 @@ class SweepDriver:
         self.failed_this_run = 0
         self.todo = 0
         self.gaps: list[float] = []
+        self.gap_queued: list[bool] = []
         self.cell_seconds: list[float] = []
         self.load_seconds: list[float] = []
         self._last_refresh = 0.0
@@ -289,7 +292,10 @@ class SweepDriver:
     def _submit(self, slot: Slot, task: Task) -> None:
         ref = slot.actor.run.remote(task.cell, task.attempt)
         now = time.monotonic()
-        slot.calls.append(Call(ref=ref, task=task, submitted=now, started=None if slot.calls else now))
+        queued = bool(slot.calls)
+        slot.calls.append(
+            Call(ref=ref, task=task, submitted=now, started=None if queued else now, queued=queued)
+        )
 
     def _fill(self) -> None:
         for slot in self.slots:
@@ -422,6 +428,7 @@ class SweepDriver:
         self.cell_seconds.append(out["seconds"])
         if slot.last_finished is not None:
             self.gaps.append(out["started"] - slot.last_finished)
+            self.gap_queued.append(call.queued)
         slot.last_finished = out["finished"]
         self.box_streak[slot.box.label] = 0
 
@@ -601,6 +608,8 @@ class SweepDriver:
                         self._on_load_done(slot)
                 elif call in slot.calls:
                     self._on_call_done(slot, call)
+            if ready:
+                self._fill()  # a runner may be waiting for its next cell: dispatch before the bookkeeping
             self._check_deadlines()
             self._check_adds()
             self._show()
@@ -665,6 +674,7 @@ class SweepDriver:
             matrix_note=summary["matrix_note"],
             stats={
                 "gaps_s": self.gaps,
+                "gap_queued": self.gap_queued,
                 "cell_seconds": self.cell_seconds,
                 "load_seconds": self.load_seconds,
                 "runners": len(self.slots),
