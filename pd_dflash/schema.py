@@ -144,7 +144,8 @@ class CostTerms(_Model):
     #: How that bandwidth was obtained: "probe" (pinned 256 MiB × 20 copies), "transfers" (this cell's copies).
     h2d_bandwidth_source: Literal["probe", "transfers"] | None = None
     #: The link the transfers used: a real device link, an emulated one (CPU engine), or none (resident).
-    h2d_link: Literal["real", "emulated", "none"] | None = None
+    #: "host": the CPU engine without emulation, whose "transfers" are host-to-host copies (no device link).
+    h2d_link: Literal["real", "emulated", "host", "none"] | None = None
     emulated_h2d_gbps: NonNegative | None = None
     emulated_latency_us: NonNegative | None = None
     h2d_bytes: Annotated[int, Field(ge=0)] | None = None

@@ -43,8 +43,7 @@ BUILTIN: dict[str, EngineTraits] = {
         entry_point="pd_dflash.engine.reference.engine:ReferenceEngine",
         options_model="pd_dflash.engine.reference.options:ReferenceOptions",
         requires=("torch", "transformers"),
-        supported_baselines=frozenset({"B0", "B3"}),
-        unsupported_reason={b: "speculative decoding arrives with issue #4" for b in ("B1", "B2", "OURS")},
+        supported_baselines=ALL_BASELINES,
     ),
     "moe_infinity": EngineTraits(
         entry_point="pd_dflash.engine.moe_infinity.engine:MoEInfinityEngine",

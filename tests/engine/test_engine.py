@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pd_dflash.engine.interface import EngineContext
-from pd_dflash.engine.registry import blocked_reason, engine_class
+from pd_dflash.engine.registry import engine_class
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import expand, parse_spec
 
@@ -115,14 +115,6 @@ def test_refuses_an_offloaded_baseline_that_would_hold_every_expert(micro):
     full = make_engine(make_spec(options={"expert_cache_bytes": total}, concurrency=[1]))
     r = full.run_cell(cells["B0"])
     assert r.status == Status.REFUSED and "holds all" in r.reason
-
-
-def test_speculative_baselines_are_refused_until_issue_4(micro_engine):
-    spec = make_spec(baselines=("B1", "OURS"), concurrency=[1])
-    _, engine = micro_engine
-    for cell in expand(spec):
-        assert "issue #4" in blocked_reason("reference", cell)
-        assert engine.run_cell(cell).status == Status.REFUSED
 
 
 def test_slo_goodput_counts_only_requests_meeting_every_slo(micro_engine):

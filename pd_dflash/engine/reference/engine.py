@@ -1,10 +1,16 @@
 """``ReferenceEngine``: pd-dflash's own offloaded-MoE engine behind the ``Engine`` interface.
 
 Load once (model + host expert store + device), then per cell: build the cell's expert cache (bounded and
-linked for offloaded baselines, fully resident for B3), warm up, measure the timed requests with continuous
-batching at the cell's concurrency, and assemble the row. B0 and B3 run today; the speculative baselines
-arrive with issue #4 (the decode loop already has their seams: proposer, commit rule, prefetch hook,
-scheduler).
+linked for offloaded baselines, fully resident for B3), its decoding, prefetcher and scheduler, warm up, measure
+the timed requests with continuous batching at the cell's concurrency, and assemble the row.
+
+| baseline | decoding | prefetcher | scheduler |
+|---|---|---|---|
+| B0 | AR | the AR prefetcher (activation-aware) | none |
+| B1 | speculative (the drafter) | the AR prefetcher, unchanged | none (every request verifies every step) |
+| B2 | speculative | the AR prefetcher | token deficit |
+| B3 | AR, experts resident | the AR prefetcher, observe-only | none |
+| OURS | speculative, with the route-ahead proxy | route-ahead | 2-D deficit (tokens, expert bytes) |
 """
 
 from __future__ import annotations
@@ -18,7 +24,15 @@ import pd_dflash
 from pd_dflash.engine import nvml
 from pd_dflash.engine.interface import Engine, EngineContext
 from pd_dflash.engine.probe import measure_h2d_bytes_per_second
-from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Request, TargetModel, run_requests
+from pd_dflash.engine.reference.admission import DeficitAdmission
+from pd_dflash.engine.reference.decode import (
+    AdmitAll,
+    AutoregressiveDecoding,
+    Request,
+    TargetModel,
+    run_requests,
+)
+from pd_dflash.engine.reference.drafters import load_drafter
 from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.link import CudaLink, HostLink
 from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts, assemble
@@ -26,12 +40,13 @@ from pd_dflash.engine.reference.models import load_model, make_prompts
 from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
 from pd_dflash.engine.reference.options import ReferenceOptions
 from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
+from pd_dflash.engine.reference.presets import get_preset
+from pd_dflash.engine.reference.route_prefetch import RouteAheadPrefetcher
+from pd_dflash.engine.reference.speculative import BlockDrafterSource, EarlyExitDrafter, SpeculativeDecoding
+from pd_dflash.engine.scheduling import TokenDeficitScheduler, TwoDimDeficitScheduler
 from pd_dflash.errors import InputError
 from pd_dflash.schema import EngineResult, Status
 from pd_dflash.spec import Cell
-
-SUPPORTED_BASELINES = frozenset({"B0", "B3"})
-SPECULATIVE_REASON = "speculative decoding arrives with issue #4"
 
 
 class ReferenceEngine(Engine):
@@ -67,9 +82,16 @@ class ReferenceEngine(Engine):
         model.to(self.device)  # everything but the routed experts, which now live in the host store
         self.target = TargetModel(model, self.loaded.family, self.device)
         self.top_k = int(model.config.num_experts_per_tok)
+        if self.options.drafter == "early_exit" and self.options.early_exit_layers >= self.target.num_layers:
+            raise InputError(
+                f"early_exit_layers must be below the target's {self.target.num_layers} layers "
+                f"(the drafter is the first d layers), got {self.options.early_exit_layers}",
+                where="models[].engine_options.early_exit_layers",
+            )
         self.probe_bytes_per_second = (
             measure_h2d_bytes_per_second(self.device) if self.device.type == "cuda" else None
         )
+        self._dflash = None  # (BlockDrafter, card): trained/loaded at the first speculative cell
         self.load_seconds = time.perf_counter() - start
 
     # -- interface ---------------------------------------------------------------------------------------------
@@ -105,41 +127,58 @@ class ReferenceEngine(Engine):
         return facts
 
     def run_cell(self, cell: Cell) -> EngineResult:
-        if cell.baseline not in SUPPORTED_BASELINES:
-            return EngineResult(status=Status.REFUSED, reason=f"{cell.baseline}: {SPECULATIVE_REASON}")
         capacity, refusal = self.cache_capacity(cell)
         if refusal:
             return EngineResult(status=Status.REFUSED, reason=refusal)
         setup = time.perf_counter()
+        wl = self.ctx.workload
+        warm = self._requests(cell, wl.warmup_rounds, max_new=cell.block_size, stream=1, tag="warmup")
+        timed = self._requests(cell, wl.requests, max_new=cell.max_new_tokens, stream=0, tag="r")
+        drafter_load = time.perf_counter()
+        decoding, drafter_facts, refusal = self._decoding(cell)
+        if refusal:
+            return EngineResult(status=Status.REFUSED, reason=refusal)
+        drafter_load = time.perf_counter() - drafter_load
         runtime, link_facts = self._runtime(cell, capacity)
-        telemetry_start = nvml.telemetry(0) if self.device.type == "cuda" else None
         try:
+            scheduler, refusal = self._scheduler(cell, runtime, max(len(r.prompt) for r in warm + timed))
+            if refusal:
+                return EngineResult(status=Status.REFUSED, reason=refusal)
+            telemetry_start = nvml.telemetry(0) if self.device.type == "cuda" else None
             setup_seconds = time.perf_counter() - setup
-            wl = self.ctx.workload
             torch.manual_seed(wl.seed)
             warm_start = time.perf_counter()
-            if wl.warmup_rounds:
-                warm = self._requests(cell, wl.warmup_rounds, max_new=cell.block_size, stream=1, tag="warmup")
-                self._serve(cell, warm, runtime)
+            if warm:
+                self._serve(cell, warm, runtime, decoding, scheduler)
             runtime.reset_measurement()
+            if hasattr(scheduler, "reset"):
+                scheduler.reset()
             warm_seconds = time.perf_counter() - warm_start
-            timed = self._requests(cell, wl.requests, max_new=cell.max_new_tokens, stream=0, tag="r")
             t0 = time.perf_counter()
-            rounds = self._serve(cell, timed, runtime)
+            rounds = self._serve(cell, timed, runtime, decoding, scheduler)
             timed_seconds = time.perf_counter() - t0
             runtime.cache.drain()
             telemetry = None
             if telemetry_start is not None:
                 telemetry = {"start": telemetry_start, "end": nvml.telemetry(0)}
+            engine = {**self.describe(), **(runtime.prefetcher.describe() if runtime.prefetcher else {})}
+            engine["decoding"] = "speculative" if decoding.speculative else "autoregressive"
+            engine["drafter"] = drafter_facts
+            engine["scheduler"] = scheduler.describe()
+            timings = {"setup": setup_seconds, "warmup": warm_seconds, "timed": timed_seconds}
+            if drafter_facts and not drafter_facts.get("card", {}).get("cache_hit", True):
+                timings["drafter_training"] = drafter_load
             measurement = CellMeasurement(
                 requests=timed,
                 rounds=rounds,
                 timed_seconds=timed_seconds,
                 runtime=runtime,
                 link=link_facts,
-                engine={**self.describe(), **(runtime.prefetcher.describe() if runtime.prefetcher else {})},
-                timings={"setup": setup_seconds, "warmup": warm_seconds, "timed": timed_seconds},
+                engine=engine,
+                timings=timings,
                 telemetry=telemetry,
+                speculative=decoding.speculative,
+                block_size=cell.block_size,
             )
             return assemble(measurement, self.ctx.slo)
         finally:
@@ -148,6 +187,7 @@ class ReferenceEngine(Engine):
     def close(self) -> None:
         self.target = None
         self.loaded = None
+        self._dflash = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -184,7 +224,53 @@ class ReferenceEngine(Engine):
                 f"{given} gives a cache of {capacity} B, smaller than one expert ({self.store.expert_nbytes} B). "
                 "Fix: raise it to at least one expert"
             )
+        if cell.baseline == "OURS" and slots < 2:
+            return 0, (
+                f"{given} gives a cache of one expert slot: route-ahead pins prefetched experts until their layer "
+                "runs and needs at least 2 slots. Fix: raise the capacity"
+            )
         return capacity, None
+
+    def _decoding(self, cell: Cell):
+        """(decoding, drafter facts, refusal) of the cell: AR for B0/B3, the configured drafter otherwise."""
+        temperature = self.ctx.workload.temperature
+        if not cell.speculative:
+            return AutoregressiveDecoding(temperature), None, None
+        if self.options.drafter == "early_exit":
+            drafter = EarlyExitDrafter(
+                self.target, self.options.early_exit_layers, route_ahead=cell.baseline == "OURS"
+            )
+            return SpeculativeDecoding(drafter, cell.block_size, temperature), drafter.describe(), None
+        if self.loaded.source != "preset":
+            return (
+                None,
+                None,
+                (
+                    "engine_options.drafter=dflash needs a trained DFlash drafter, which the reference engine trains "
+                    "for its presets only; for a checkpoint use engine_options.drafter: early_exit"
+                ),
+            )
+        if self._dflash is None:
+            self._dflash = load_drafter(
+                get_preset(self.loaded.name),
+                self.target.model,
+                seed=self.options.train_seed,
+                steps=self.options.drafter_train_steps,
+                cache_dir=self.options.cache_dir,
+            )
+        drafter, card = self._dflash
+        if cell.block_size > drafter.config.block_size:
+            return (
+                None,
+                None,
+                (f"block size {cell.block_size} exceeds the DFlash drafter's {drafter.config.block_size}"),
+            )
+        source = BlockDrafterSource(drafter, self.target, route_ahead=cell.baseline == "OURS")
+        facts = {
+            **source.describe(),
+            "card": {k: card.get(k) for k in ("tau", "train", "params", "cache_hit")},
+        }
+        return SpeculativeDecoding(source, cell.block_size, temperature), facts, None
 
     def _runtime(self, cell: Cell, capacity: int) -> tuple[OffloadRuntime, LinkFacts]:
         opts = self.options
@@ -206,7 +292,15 @@ class ReferenceEngine(Engine):
             self.store, capacity, self.device, self.compute_dtype, policy=opts.eviction, link=link
         )
         prefetcher = None
-        if opts.prefetcher == "activation_aware":
+        if cell.baseline == "OURS":
+            prefetcher = RouteAheadPrefetcher(
+                self.target,
+                self.store.layer_ids,
+                self.top_k,
+                window=max(1, cache.num_slots // 2),
+                cross_round=opts.cross_round_prefetch,
+            )
+        elif opts.prefetcher == "activation_aware":
             # B3: observe-only, so its prediction quality is on the same scale as the offloaded baselines'.
             prefetcher = ActivationAwarePrefetcher(
                 self.store.layer_ids, self.store.num_experts, self.top_k, issue=cell.offloaded
@@ -215,8 +309,53 @@ class ReferenceEngine(Engine):
         runtime.attach(self.target.model)
         return runtime, facts
 
+    def _scheduler(self, cell: Cell, runtime: OffloadRuntime, longest_prompt: int):
+        """(scheduler, refusal): none for B0/B1/B3, the token deficit for B2, the 2-D deficit for OURS.
+
+        Defaults (documented in docs/reference-engine.md): tokens budget c·B (every in-flight request can
+        verify a full block each step; a prefill longer than that is spread over steps by the deficit), tokens
+        cap max(2·budget, longest prompt, B); bytes budget = the cell's expert-cache capacity (a step's
+        route-ahead fetch must fit the cache), bytes cap = the largest route-ahead fetch one round can make.
+        """
+        if cell.baseline not in ("B2", "OURS"):
+            return AdmitAll(), None
+        opts, b = self.options, cell.block_size
+        largest_tokens = max(longest_prompt, b)
+        budget_tokens = opts.scheduler_budget_tokens or cell.concurrency * b
+        cap_tokens = opts.scheduler_cap_tokens or max(2 * budget_tokens, largest_tokens)
+        if cap_tokens < largest_tokens:
+            return None, (
+                f"engine_options.scheduler_cap_tokens={cap_tokens} is below the largest single demand of this "
+                f"cell, {largest_tokens} tokens (the longest prompt or the block size): that round could never "
+                f"be admitted. Fix: set it to at least {largest_tokens}"
+            )
+        if cell.baseline == "B2":
+            return DeficitAdmission(TokenDeficitScheduler(budget_tokens, cap_tokens)), None
+        e, k, nbytes = self.store.num_experts, self.top_k, self.store.expert_nbytes
+        largest_bytes = len(self.store.layer_ids) * min(largest_tokens * k, e) * nbytes
+        budget_bytes = opts.scheduler_budget_bytes or runtime.cache.num_slots * nbytes
+        cap_bytes = opts.scheduler_cap_bytes or max(budget_bytes, largest_bytes)
+        if cap_bytes < largest_bytes:
+            return None, (
+                f"engine_options.scheduler_cap_bytes={cap_bytes} is below the largest single route-ahead fetch of "
+                f"this cell, {largest_bytes} B ({largest_tokens} rows × top-{k} over {e} experts in each of "
+                f"{len(self.store.layer_ids)} MoE layers × {nbytes} B): that round could never be admitted. Fix: set "
+                f"it to at least {largest_bytes}"
+            )
+        prefetcher = runtime.prefetcher
+        scheduler = TwoDimDeficitScheduler(budget_tokens, budget_bytes, cap_tokens, cap_bytes)
+        return DeficitAdmission(
+            scheduler,
+            fetch_keys=prefetcher.keys,
+            is_resident=runtime.cache.contains,
+            expert_nbytes=nbytes,
+            in_flight=prefetcher.in_flight,
+        ), None
+
     def _requests(self, cell: Cell, n: int, *, max_new: int, stream: int, tag: str) -> list[Request]:
         wl = self.ctx.workload
+        if n == 0:
+            return []
         prompts = make_prompts(
             self.loaded, wl.prompts, n, wl.prompt_tokens, seed=wl.seed + 1_000_003 * stream
         )
@@ -229,13 +368,14 @@ class ReferenceEngine(Engine):
             out.append(Request(f"{tag}{i}", prompt, max_new, self.loaded.eos_token_id, gen))
         return out
 
-    def _serve(self, cell: Cell, requests: list[Request], runtime: OffloadRuntime):
+    def _serve(self, cell: Cell, requests: list[Request], runtime: OffloadRuntime, decoding, scheduler):
         return run_requests(
             self.target,
             requests,
             concurrency=cell.concurrency,
-            decoding=AutoregressiveDecoding(self.ctx.workload.temperature),
+            decoding=decoding,
             hooks=runtime,
+            scheduler=scheduler,
         )
 
 

@@ -14,6 +14,7 @@ Exposed fetch seconds are the time compute waited for a transfer (on-demand or i
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -97,6 +98,10 @@ class ExpertCache:
         self.inflight: list[_Entry] = []
         self.round = 0
         self._tick = 0
+        #: Wall-clock intervals of the link's completed transfers ``(start, end, nbytes, demand)`` and of compute
+        #: waiting for a transfer ``(start, end)``, when the link keeps a host timeline (CPU); BM4 from them.
+        self.transfer_log: list[tuple[float, float, int, bool]] = []
+        self.stall_log: list[tuple[float, float]] = []
         if self.link is None:
             self._load_all()
 
@@ -144,7 +149,7 @@ class ExpertCache:
     def weights(self, entry: _Entry) -> list[torch.Tensor]:
         """The entry's compute-dtype tensors once its transfer has landed (waiting counts as exposed)."""
         if entry.transfer is not None:
-            self.counters.exposed_seconds += self.link.wait(entry.transfer)
+            self.counters.exposed_seconds += self._wait(self.link.wait, entry.transfer)
         views = self.slot_views[entry.slot]
         return views if self._direct else self.store.dequantize(views, self.compute_dtype)
 
@@ -205,6 +210,7 @@ class ExpertCache:
     def reset_counters(self) -> None:
         self.drain()
         self.counters = CacheCounters(peak_occupancy_bytes=self.occupancy_bytes)
+        self.transfer_log, self.stall_log = [], []
 
     def close(self) -> None:
         if self.link is not None:
@@ -247,7 +253,16 @@ class ExpertCache:
         self.counters.h2d_bytes += t.nbytes
         self.counters.h2d_seconds += self.link.seconds(t)
         self.counters.h2d_transfers += 1
+        if isinstance(t.start, float) and isinstance(t.end, float):
+            self.transfer_log.append((t.start, t.end, t.nbytes, t.demand))
         entry.transfer = None
+
+    def _wait(self, wait, transfer) -> float:
+        start = time.perf_counter()
+        waited = wait(transfer)
+        if waited > 0:
+            self.stall_log.append((start, start + waited))
+        return waited
 
     def _touch(self, entry: _Entry) -> None:
         self._tick += 1
@@ -265,7 +280,7 @@ class ExpertCache:
             # Every unpinned slot is still being written by a prefetch: wait for the oldest, then take it.
             waiting = [e for e in self.inflight if e.pins == 0 and e.transfer is not None]
             if waiting:
-                self.counters.exposed_seconds += self.link.host_wait(waiting[0].transfer)
+                self.counters.exposed_seconds += self._wait(self.link.host_wait, waiting[0].transfer)
                 victim = waiting[0]
         if victim is None:
             return None

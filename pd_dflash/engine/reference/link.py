@@ -57,13 +57,14 @@ class HostLink:
     queue simulated lazily whenever compute looks at it), so nothing depends on when a helper thread gets the
     GIL or the OS scheduler: a prefetch issued early is really done by the time compute needs it, and
     compute that needs an expert still on the link really sleeps until its completion time (no CPU spent).
-    A transfer's copy is performed when the link starts it. Not emulated: the copy happens at once (a host
-    memcpy) and its measured duration is the transfer time.
+    A transfer's copy is performed when the link starts it. Not emulated (kind "host"): the copy happens at once
+    (a host memcpy, not a host-to-device transfer) and its measured duration is the transfer time.
     """
 
     def __init__(self, gbps: float | None = None, latency_us: float = 0.0) -> None:
         self.gbps, self.latency_us = gbps, float(latency_us)
-        self.kind = "emulated" if gbps else "real"
+        #: "host": not a device link at all, a host-to-host memcpy (rows must not claim a real H2D link).
+        self.kind = "emulated" if gbps else "host"
         self._pending: list[Transfer] = []
         self._free_at = 0.0
         self._seq = itertools.count()

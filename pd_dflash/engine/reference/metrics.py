@@ -9,13 +9,14 @@ A metric that was not measured is left out with a warning and the row becomes PA
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_dflash.costmodel import evaluate_hide_inequality
+from pd_dflash.costmodel import bm1_summary, evaluate_hide_inequality
 from pd_dflash.engine.reference.decode import Request, RoundRecord
 from pd_dflash.engine.reference.offload import OffloadRuntime
 from pd_dflash.schema import REQUIRED_METRICS, CostTerms, EngineResult, LatencyStats, Status
@@ -24,7 +25,7 @@ from pd_dflash.spec import SLO
 
 @dataclass
 class LinkFacts:
-    #: "real" (CUDA, or an un-emulated host copy), "emulated" (CPU pacing), "none" (resident: no transfer).
+    #: "real" (CUDA), "emulated" (CPU pacing), "host" (an un-emulated CPU host-to-host copy), "none" (resident).
     kind: str
     emulated_gbps: float | None = None
     emulated_latency_us: float | None = None
@@ -42,6 +43,8 @@ class CellMeasurement:
     engine: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     telemetry: dict[str, Any] | None = None
+    speculative: bool = False
+    block_size: int = 1
 
 
 def request_latencies(requests: list[Request]) -> tuple[list[float], list[float], list[float]]:
@@ -74,11 +77,17 @@ def assemble(m: CellMeasurement, slo: SLO) -> EngineResult:
     elapsed = max(m.timed_seconds, 1e-9)
     tokens = sum(len(r.output) for r in m.requests)
     ttft, tpot, e2e = request_latencies(m.requests)
-    committed = [n for rec in m.rounds for n in rec.committed]
+    # τ is over verify rounds: a speculative prefill proposes nothing (AR: every round commits exactly one).
+    committed = [
+        n
+        for rec in m.rounds
+        for n, prefill in zip(rec.committed, rec.prefill, strict=True)
+        if not (m.speculative and prefill)
+    ]
     values: dict[str, float | None] = {
         "output_tokens_per_second": tokens / elapsed,
-        # Committed tokens per request per round (bonus included): exactly 1.0 for AR, measured anyway.
-        "acceptance_length_a": sum(committed) / len(committed),
+        # Committed tokens per request per verify round (bonus included): exactly 1.0 for AR, measured anyway.
+        "acceptance_length_a": sum(committed) / len(committed) if committed else None,
         "ttft_seconds": sum(ttft) / len(ttft),
         "per_round_latency_seconds": sum(rec.seconds for rec in m.rounds) / len(m.rounds),
         "goodput_at_slo": sum(len(r.output) for r in m.requests if meets_slo(r, slo)) / elapsed,
@@ -88,6 +97,8 @@ def assemble(m: CellMeasurement, slo: SLO) -> EngineResult:
         "expert_occupancy_bytes": float(c.peak_occupancy_bytes),
         "kv_occupancy_bytes": float(max(rec.kv_bytes for rec in m.rounds)),
     }
+    if not committed:
+        warnings.append("acceptance_length_a not measured: no verify round in the timed loop (prefills only)")
     if c.hit_rate is None:
         warnings.append("expert_cache_hit_rate not measured: no expert was accessed in the timed loop")
     stats = rt.stats
@@ -128,6 +139,13 @@ def assemble(m: CellMeasurement, slo: SLO) -> EngineResult:
     )
     hide = None
     rounds = len(m.rounds)
+    overlap = transfer_overlap(rt.cache, m.rounds) if m.link.kind in ("emulated", "host") else None
+    draft_per_round = sum(rec.draft_seconds for rec in m.rounds) / rounds
+    router_per_round = sum(rec.router_seconds for rec in m.rounds) / rounds
+    if overlap is not None:
+        overlap_per_round = overlap["overlapped_seconds"]["verify"] / rounds
+    else:  # CUDA: no host timeline of the copies; the link time not spent stalled, per round
+        overlap_per_round = max(0.0, c.h2d_seconds - c.exposed_seconds) / rounds
     if bandwidth is None:
         warnings.append(
             "hide_inequality not evaluated: no measured host-to-device bandwidth "
@@ -140,9 +158,9 @@ def assemble(m: CellMeasurement, slo: SLO) -> EngineResult:
             saturation=min(1.0, (sum(needed) / len(needed)) / store.num_entries),
             total_expert_bytes=store.total_bytes,
             measured_h2d_bytes_per_second=bandwidth,
-            draft_seconds=0.0,  # AR: no draft
-            router_seconds=0.0,  # AR: no route-ahead router pass
-            overlap_seconds=max(0.0, c.h2d_seconds - c.exposed_seconds) / rounds,
+            draft_seconds=draft_per_round,  # AR: no draft, 0
+            router_seconds=router_per_round,  # B0/B1/B2/B3: no route-ahead router pass, 0
+            overlap_seconds=overlap_per_round,
         )
     missing = [k for k in REQUIRED_METRICS if values[k] is None]
     latency = {
@@ -153,12 +171,34 @@ def assemble(m: CellMeasurement, slo: SLO) -> EngineResult:
             "e2e_seconds": LatencyStats.from_samples(e2e),
             "round_seconds": LatencyStats.from_samples([rec.seconds for rec in m.rounds]),
             "verify_seconds": LatencyStats.from_samples([rec.forward_seconds for rec in m.rounds]),
+            **(
+                {
+                    "draft_seconds": LatencyStats.from_samples([rec.draft_seconds for rec in m.rounds]),
+                    "router_seconds": LatencyStats.from_samples([rec.router_seconds for rec in m.rounds]),
+                }
+                if m.speculative
+                else {}
+            ),
         }.items()
         if stats_ is not None
     }
+    t_verify = sum(rec.forward_seconds for rec in m.rounds)
+    t_draft = t_router = None
+    if m.speculative:
+        t_draft = sum(rec.draft_seconds for rec in m.rounds)
+        t_router = sum(rec.router_seconds for rec in m.rounds)
     per_forward = Counter(rec.requests for rec in m.rounds)
+    extra: dict[str, Any] = {}
+    if overlap is not None:
+        extra["overlap"] = overlap
+    if m.speculative:
+        extra["bm1"] = bm1_summary(t_router, t_verify)
+        extra["draft_verify_rounds"] = len(committed)
+    if rt.prefetcher is not None:
+        extra["prediction"] = prediction_facts(rt, store.expert_nbytes)
     engine = {
         **m.engine,
+        **extra,
         # Same prompts, same tokens: offloading must not change outputs (B0 and B3 rows carry equal digests).
         "output_digest": hashlib.sha256(json.dumps([r.output for r in m.requests]).encode()).hexdigest()[:16],
         "batch": {
@@ -167,6 +207,8 @@ def assemble(m: CellMeasurement, slo: SLO) -> EngineResult:
             "requests_per_forward_max": max(per_forward),
             "requests_per_forward_histogram": {str(k): v for k, v in sorted(per_forward.items())},
             "tokens_per_forward_mean": sum(rec.tokens for rec in m.rounds) / rounds,
+            "idle_scheduling_steps": sum(rec.idle_steps for rec in m.rounds),
+            "issue_seconds": sum(rec.issue_seconds for rec in m.rounds),
         },
         "expert_cache": {
             "capacity_bytes": rt.cache.capacity_bytes,
@@ -190,7 +232,9 @@ def assemble(m: CellMeasurement, slo: SLO) -> EngineResult:
         status=Status.PARTIAL if missing else Status.OK,
         warnings=warnings,
         cost_terms=cost_terms,
-        t_verify_seconds=sum(rec.forward_seconds for rec in m.rounds),
+        t_draft_seconds=t_draft,
+        t_router_seconds=t_router,
+        t_verify_seconds=t_verify,
         latency=latency,
         acceptance_histogram=dict(Counter(committed)),
         route_ahead=stats.as_dict() if rt.prefetcher is not None else None,
@@ -208,3 +252,108 @@ def _downsample(xs: list[int], n: int) -> list[int]:
     if len(xs) <= n:
         return list(xs)
     return [xs[round(i * (len(xs) - 1) / (n - 1))] for i in range(n)]
+
+
+def prediction_facts(rt: OffloadRuntime, expert_nbytes: int) -> dict[str, Any]:
+    """The prefetcher's prediction against the verify's routing: recall per layer, and the waste split into
+    mispredicted experts (P \\ A: nobody routed them) and experts only rejected rows routed ((P ∩ A) \\ U_keep)."""
+    st = rt.stats
+    mispredicted = st.predicted_experts - st.covered_experts
+    on_rejected = st.wasted_experts - mispredicted
+    facts: dict[str, Any] = {
+        "recall": None if st.vacuous else st.coverage,
+        "predicted_over_actual": st.predicted_experts / st.actual_experts if st.actual_experts else None,
+        "mispredicted_experts": mispredicted,
+        "wasted_on_rejected_rows_experts": on_rejected,
+        "per_layer": {
+            str(layer): {
+                "predicted": p,
+                "actual": a,
+                "covered": cov,
+                "recall": cov / a if a else None,
+            }
+            for layer, (p, a, cov) in sorted(rt.per_layer.items())
+        },
+    }
+    if st.wasted_prefetch_bytes is not None:
+        facts["mispredicted_bytes"] = mispredicted * expert_nbytes
+        facts["wasted_on_rejected_rows_bytes"] = on_rejected * expert_nbytes
+    counters = getattr(rt.prefetcher, "counters", None)
+    if counters:
+        facts["issue"] = dict(counters)
+    return facts
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _subtract(
+    intervals: list[tuple[float, float]], holes: list[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    out = []
+    holes = _merge(holes)
+    for a, b in _merge(intervals):
+        cur = a
+        for h0, h1 in holes:
+            if h1 <= cur or h0 >= b:
+                continue
+            if h0 > cur:
+                out.append((cur, h0))
+            cur = max(cur, h1)
+        if cur < b:
+            out.append((cur, b))
+    return out
+
+
+def _covered(start: float, end: float, merged: list[tuple[float, float]], starts: list[float]) -> float:
+    """Length of [start, end] inside the union ``merged`` (sorted, disjoint)."""
+    total = 0.0
+    i = max(0, bisect.bisect_right(starts, start) - 1)
+    while i < len(merged) and merged[i][0] < end:
+        a, b = merged[i]
+        total += max(0.0, min(b, end) - max(a, start))
+        i += 1
+    return total
+
+
+def transfer_overlap(cache, rounds: list[RoundRecord]) -> dict[str, Any]:
+    """BM4 from the engine's own timestamps: how much of each transfer's link time fell inside the draft, router
+    and verify windows while compute was running (windows minus the intervals compute waited for a transfer).
+    Issue windows do not hide (as upstream's parser). Bytes are weighted like BM4: a transfer contributes
+    bytes × overlapped / duration."""
+    kinds = ("draft", "router", "verify")
+    stalls = cache.stall_log
+    windows = {
+        k: _subtract([(a, b) for rec in rounds for (w, a, b) in rec.windows if w == k], stalls) for k in kinds
+    }
+    windows["any_compute"] = _merge([iv for k in kinds for iv in windows[k]])
+    starts = {k: [a for a, _ in v] for k, v in windows.items()}
+    total_bytes = sum(n for _, _, n, _ in cache.transfer_log)
+    link_seconds = sum(e - s for s, e, _, _ in cache.transfer_log)
+    seconds = dict.fromkeys(windows, 0.0)
+    hidden_bytes = dict.fromkeys(windows, 0.0)
+    for start, end, nbytes, _ in cache.transfer_log:
+        duration = end - start
+        for k in windows:
+            ov = _covered(start, end, windows[k], starts[k])
+            seconds[k] += ov
+            hidden_bytes[k] += nbytes * (ov / duration if duration > 0 else float(ov > 0))
+    return {
+        "source": "engine timestamps: link timeline of each transfer vs the rounds' compute windows",
+        "h2d_bytes": total_bytes,
+        "h2d_link_seconds": link_seconds,
+        "transfers": len(cache.transfer_log),
+        "demand_transfers": sum(1 for *_, demand in cache.transfer_log if demand),
+        "overlapped_seconds": seconds,
+        "overlap_fraction": {k: (v / total_bytes if total_bytes else None) for k, v in hidden_bytes.items()},
+        "stall_seconds": sum(b - a for a, b in _merge(stalls)),
+    }

@@ -81,6 +81,8 @@ class OffloadRuntime:
         #: round (e.g. a drafter running target layers) experts are still fetched and counted, nothing else.
         self.in_round = False
         self._observed: set[int] = set()
+        #: Per MoE layer, over the verify forwards since the last reset: [Σ|P|, Σ|A|, Σ|P∩A|] (recall per layer).
+        self.per_layer: dict[int, list[int]] = {}
 
     def attach(self, model: nn.Module) -> None:
         for layer in model.model.layers:
@@ -93,8 +95,17 @@ class OffloadRuntime:
         self.cache.reset_counters()
         self.stats = RouteAheadStats()
         self.needed_per_round, self.occupancy_per_round = [], []
+        self.per_layer = {}
 
     # -- decode-loop hooks -------------------------------------------------------------------------------------
+    def plan(self, blocks) -> bool:
+        """New blocks before scheduling: a route-ahead prefetcher runs its router pass (True when it did)."""
+        plan = getattr(self.prefetcher, "plan", None)
+        if plan is None:
+            return False
+        plan(blocks)
+        return True
+
     def begin_round(self, owners: list[tuple[object, int]]) -> None:
         """Before the target forward: ``owners`` = (request id, rows) in row order."""
         self.cache.begin_round()
@@ -104,11 +115,18 @@ class OffloadRuntime:
             self.prefetcher.begin_round(self.cache, owners)
 
     def end_round(
-        self, *, kept_rows: int | None = None, kept_spans: list[tuple[int, int]] | None = None
+        self,
+        *,
+        kept_rows: int | None = None,
+        kept_spans: list[tuple[int, int]] | None = None,
+        finished: set | None = None,
     ) -> None:
-        """After the accept rule: AR keeps every row (``kept_rows`` = tokens of the round)."""
+        """After the accept rule: the kept rows of each request (AR keeps every row)."""
         self.in_round = False
         self.stats.commit_step(kept_rows, kept_spans=kept_spans)
+        end = getattr(self.prefetcher, "end_round", None)
+        if end is not None:
+            end(self.cache, kept_spans if kept_spans is not None else [(0, kept_rows)], finished or set())
         self.cache.collect()
         self.needed_per_round.append(self.round_needed)
         self.occupancy_per_round.append(self.cache.occupancy_bytes)
@@ -133,6 +151,10 @@ class OffloadRuntime:
             self.stats.observe_layer(
                 layer, predicted, top_k_index, expert_nbytes=self.store.nbytes_map(layer) if issued else None
             )
+            counts = self.per_layer.setdefault(layer, [0, 0, 0])
+            counts[0] += len(predicted)
+            counts[1] += len(needed)
+            counts[2] += len(set(predicted) & set(needed))
         todo, window = deque(needed), deque()
 
         def fill() -> None:
@@ -158,3 +180,6 @@ class OffloadRuntime:
                     )
         if todo:
             raise RuntimeError(f"layer {layer}: no cache slot available (every slot is pinned)")
+        done = getattr(prefetcher, "layer_done", None)
+        if done is not None:
+            done(self.cache, layer)

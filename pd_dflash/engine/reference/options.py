@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+PositiveInt = Annotated[int, Field(ge=1)]
+
 
 class ReferenceOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -13,14 +15,16 @@ class ReferenceOptions(BaseModel):
     #: Drafter used by the speculative baselines: the trained DFlash-style block drafter or an early-exit
     #: self-drafter (first ``early_exit_layers`` target layers + the target head).
     drafter: Literal["dflash", "early_exit"] = "dflash"
-    early_exit_layers: Annotated[int, Field(ge=1)] = 1
+    early_exit_layers: PositiveInt = 1
+    #: Distillation steps of the DFlash drafter (default: the preset's drafter budget; part of its cache key).
+    drafter_train_steps: PositiveInt | None = None
     #: CPU link emulation: each host→device expert transfer takes bytes/BW + latency of wall time.
     emulated_h2d_gbps: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
     emulated_latency_us: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     eviction: Literal["lru", "lfu"] = "lru"
     #: Device expert-cache capacity in bytes for offloaded cells (overrides memory.expert_cache_fraction).
-    expert_cache_bytes: Annotated[int, Field(ge=1)] | None = None
-    #: The AR prefetcher of B0/B1 ("none" = on-demand fetches only).
+    expert_cache_bytes: PositiveInt | None = None
+    #: The AR prefetcher of B0/B1/B2 ("none" = on-demand fetches only).
     prefetcher: Literal["activation_aware", "none"] = "activation_aware"
     #: Compute dtype of the target ("auto": a preset's fp32, a checkpoint's own dtype).
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -29,7 +33,16 @@ class ReferenceOptions(BaseModel):
     #: How expert weights are stored in the host store and moved ("auto" = the compute dtype; fp8 = e4m3
     #: with a per-expert scale, dequantized on use).
     storage_dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
-    #: Route-ahead ablation: also prefetch the next round's likely experts.
+    #: Route-ahead ablation: at the end of a verify, also prefetch the next round's likely experts (those the
+    #: request's kept rows routed), so they overlap the next draft.
     cross_round_prefetch: bool = False
-    #: Directory for trained presets (default: $PD_DFLASH_CACHE or ~/.cache/pd-dflash).
+    #: Deficit schedulers (B2: tokens; OURS: tokens and expert bytes). Budgets are per scheduling step (one
+    #: batched verify); caps bound the carried deficit and must be ≥ the largest single demand.
+    #: Defaults: tokens budget = c·B, tokens cap = max(2·budget, longest prompt, B); bytes budget = the
+    #: cell's expert-cache capacity, bytes cap = the largest route-ahead fetch one round can make.
+    scheduler_budget_tokens: PositiveInt | None = None
+    scheduler_cap_tokens: PositiveInt | None = None
+    scheduler_budget_bytes: PositiveInt | None = None
+    scheduler_cap_bytes: PositiveInt | None = None
+    #: Directory for trained presets and drafters (default: $PD_DFLASH_CACHE or ~/.cache/pd-dflash).
     cache_dir: str | None = None

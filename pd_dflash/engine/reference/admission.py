@@ -1,0 +1,131 @@
+"""The deficit schedulers (``pd_dflash/engine/scheduling.py``) on the decode loop's scheduler seam.
+
+Each scheduling step, every in-flight request has one pending block (its next verify round, drafted). The
+adapter turns them into ``VerifyDemand``s and returns the admitted blocks: those are verified together in this
+step's batched forward; the others keep their block (no redraft) and wait.
+
+- tokens: the block's width (B for a verify round, the prompt length for a prefill);
+- expert bytes (OURS): the route-ahead fetch the block ADDS to the batch — bytes of its predicted experts that
+  are neither resident nor already counted for an earlier demand, in the scheduler's own order (seated, then
+  arrival). Admission takes a prefix of that order, so the admitted demands' bytes sum to the bytes of the
+  batch's union of predicted, non-resident experts: the fetch the verify will really issue;
+- arrival: the step at which the block became pending, so a deferred round keeps its place (FIFO, no
+  starvation: the liveness argument of scheduling.py);
+- in flight: a round whose prefetch is already on the link (cross-round prefetch) — seated unconditionally.
+  The engine's verify finishes within its step, so without cross-round prefetch no round is in flight.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+from pd_dflash.engine.reference.decode import Block
+from pd_dflash.engine.scheduling import DeficitScheduler, TwoDimDeficitScheduler, VerifyDemand
+
+#: Steps kept verbatim in the trace (the rest is summarised).
+TRACE_STEPS = 64
+
+
+class DeficitAdmission:
+    def __init__(
+        self,
+        scheduler: DeficitScheduler,
+        *,
+        fetch_keys: Callable[[object], set] | None = None,
+        is_resident: Callable[[tuple[int, int]], bool] | None = None,
+        expert_nbytes: int = 0,
+        in_flight: Callable[[object], bool] | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.name = "two_dim_deficit" if isinstance(scheduler, TwoDimDeficitScheduler) else "token_deficit"
+        self.fetch_keys, self.is_resident, self.expert_nbytes = fetch_keys, is_resident, expert_nbytes
+        self.in_flight = in_flight or (lambda rid: False)
+        self.steps = 0
+        self.idle_steps = 0
+        self.deferring_steps = 0
+        self.deferred_total = 0
+        self.seated_total = 0
+        self.binding = Counter()
+        self.admitted_histogram = Counter()
+        self.max_used = [0 for _ in scheduler.dimensions]
+        self.max_carried = [0 for _ in scheduler.dimensions]
+        self.trace: list[dict] = []
+
+    def reset(self) -> None:
+        """After warm-up: the measurement restarts, the scheduler's carry too."""
+        self.__init__(
+            self.scheduler,
+            fetch_keys=self.fetch_keys,
+            is_resident=self.is_resident,
+            expert_nbytes=self.expert_nbytes,
+            in_flight=self.in_flight,
+        )
+        self.scheduler.reset()
+
+    def select(self, blocks: list[Block]) -> list[Block]:
+        by_rid = {b.request.rid: b for b in blocks}
+        order = sorted(range(len(blocks)), key=lambda i: blocks[i].ready_step)
+        flags = {b.request.rid: self.in_flight(b.request.rid) for b in blocks}
+        ordered = [blocks[i] for i in order if flags[blocks[i].request.rid]]
+        ordered += [blocks[i] for i in order if not flags[blocks[i].request.rid]]
+        counted: set = set()
+        demands = []
+        for b in ordered:
+            rid = b.request.rid
+            nbytes = 0
+            if self.fetch_keys is not None:
+                new = {k for k in self.fetch_keys(rid) if k not in counted and not self.is_resident(k)}
+                counted |= new
+                nbytes = len(new) * self.expert_nbytes
+            demands.append(VerifyDemand(rid, len(b.tokens), nbytes, flags[rid], b.ready_step))
+        admission = self.scheduler.step(demands)
+        self._record(admission, demands)
+        return [by_rid[rid] for rid in admission.admitted]
+
+    def _record(self, admission, demands: list[VerifyDemand]) -> None:
+        self.steps += 1
+        n = len(admission.admitted)
+        self.admitted_histogram[n] += 1
+        self.idle_steps += n == 0
+        self.seated_total += len(admission.seated)
+        if admission.deferred:
+            self.deferring_steps += 1
+            self.deferred_total += len(admission.deferred)
+            first = next(d for d in demands if d.request_id == admission.deferred[0])
+            for k, dim in enumerate(self.scheduler.dimensions):
+                if getattr(first, dim) > admission.available[k] - admission.used[k]:
+                    self.binding[dim] += 1
+        self.max_used = [max(a, b) for a, b in zip(self.max_used, admission.used, strict=True)]
+        self.max_carried = [max(a, b) for a, b in zip(self.max_carried, admission.carried, strict=True)]
+        if len(self.trace) < TRACE_STEPS:
+            self.trace.append(
+                {
+                    "admitted": len(admission.admitted),
+                    "seated": len(admission.seated),
+                    "deferred": len(admission.deferred),
+                    "available": list(admission.available),
+                    "used": list(admission.used),
+                    "carried": list(admission.carried),
+                }
+            )
+
+    def describe(self) -> dict:
+        dims = list(self.scheduler.dimensions)
+        return {
+            "kind": self.name,
+            "dimensions": dims,
+            "budget": dict(zip(dims, self.scheduler.budget, strict=True)),
+            "cap": dict(zip(dims, self.scheduler.cap, strict=True)),
+            "steps": self.steps,
+            "idle_steps": self.idle_steps,
+            "steps_with_deferral": self.deferring_steps,
+            "deferred_demands": self.deferred_total,
+            "seated_demands": self.seated_total,
+            # Steps whose first deferred demand did not fit in this dimension (the budget that bound).
+            "binding_steps": {d: self.binding.get(d, 0) for d in dims},
+            "admitted_per_step_histogram": {str(k): v for k, v in sorted(self.admitted_histogram.items())},
+            "max_used": dict(zip(dims, self.max_used, strict=True)),
+            "max_carried": dict(zip(dims, self.max_carried, strict=True)),
+            "trace_first_steps": self.trace,
+        }
