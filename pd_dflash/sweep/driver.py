@@ -422,6 +422,9 @@ class SweepDriver:
             return
         slot.calls.remove(call)
         self._advance(slot)
+        self._record(slot, call, out)
+
+    def _record(self, slot: Slot, call: Call, out: dict[str, Any]) -> None:
         self._store(out["row"], out["error"])
         self._count(out["row"]["status"])
         self.estimator.observe(call.task.cell, out["seconds"])
@@ -432,6 +435,17 @@ class SweepDriver:
         slot.last_finished = out["finished"]
         self.box_streak[slot.box.label] = 0
 
+    @staticmethod
+    def _result_if_any(ref: Any) -> dict[str, Any] | None:
+        """The call's result if it already arrived (a runner may die right after returning one)."""
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            return None
+        try:
+            return ray.get(ref)
+        except RayError:
+            return None
+
     def _advance(self, slot: Slot) -> None:
         if slot.calls and slot.calls[0].started is None:
             slot.calls[0].started = time.monotonic()
@@ -441,7 +455,13 @@ class SweepDriver:
         """Kill the slot's runner and give its cells back: the running one costs a try when ``interrupted``."""
         calls, slot.calls = slot.calls, []
         self._kill(slot)
-        for call in calls:
+        for i, call in enumerate(calls):
+            out = self._result_if_any(call.ref)
+            if out is not None:  # finished before the runner went: keep the row; the next one had started
+                self._record(slot, call, out)
+                if i + 1 < len(calls) and calls[i + 1].started is None:
+                    calls[i + 1].started = time.monotonic()
+                continue
             task = call.task
             if interrupted and call.started is not None:
                 task.tries += 1
