@@ -72,3 +72,12 @@ def test_phase_a_entrypoint_requires_an_absolute_out(tmp_path):
         text=True,
     )
     assert proc.returncode == 2 and "absolute" in proc.stderr
+
+
+def test_the_make_run_spec_plans_every_configuration():
+    from pd_dflash.spec import load_spec, plan
+
+    spec = load_spec(REPO / "jobs" / "cpu_reference.yaml")
+    planned = plan(spec)
+    assert planned["counts"]["blocked"] == 0 and spec.engine == "reference"
+    assert set(spec.baselines) == {"B0", "B1", "B2", "B3", "OURS"} and spec.hardware.device == "cpu"
