@@ -220,7 +220,7 @@ def test_rejected_rows_are_rolled_back_out_of_the_kv_cache(micro):
     decoding = SpeculativeDecoding(EarlyExitDrafter(target, 1), block_size=8)
     logits, _ = target.forward([Block(spec, prompt, len(prompt) - 1, prefill=True)])
     decoding.commit(Block(spec, prompt, len(prompt) - 1, prefill=True), logits[0], {})
-    drafts = greedy[1:4] + [(greedy[4] + 1) % model.config.vocab_size, 0, 1, 2]
+    drafts = [*greedy[1:4], (greedy[4] + 1) % model.config.vocab_size, 0, 1, 2]
     block = Block(spec, [greedy[0], *drafts], 0, drafts=drafts)
     logits, _ = target.forward([block])
     commit = decoding.commit(block, logits[0], {})

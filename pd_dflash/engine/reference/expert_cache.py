@@ -43,6 +43,10 @@ class CacheCounters:
     prefetch_unused_evicted_bytes: int = 0
     evictions: int = 0
     exposed_seconds: float = 0.0
+    #: Part of exposed_seconds: an on-demand fetch found every unpinned slot still being written by a
+    #: prefetch and waited for one (a cache too small for what is in flight).
+    slot_waits: int = 0
+    slot_wait_seconds: float = 0.0
     #: Completed transfers: bytes and link seconds (Σ per-transfer durations).
     h2d_bytes: int = 0
     h2d_seconds: float = 0.0
@@ -280,7 +284,10 @@ class ExpertCache:
             # Every unpinned slot is still being written by a prefetch: wait for the oldest, then take it.
             waiting = [e for e in self.inflight if e.pins == 0 and e.transfer is not None]
             if waiting:
-                self.counters.exposed_seconds += self._wait(self.link.host_wait, waiting[0].transfer)
+                waited = self._wait(self.link.host_wait, waiting[0].transfer)
+                self.counters.exposed_seconds += waited
+                self.counters.slot_waits += 1
+                self.counters.slot_wait_seconds += waited
                 victim = waiting[0]
         if victim is None:
             return None

@@ -1,0 +1,333 @@
+"""All five configurations (B0 B1 B2 B3 OURS) of the reference engine on a mini preset, CPU, emulated link.
+
+Prints per (B, c): tokens/s and its ratio to B0, τ (committed tokens per verify round), the prefetch coverage
+(AR prefetcher for B0-B3, route-ahead for OURS), wasted prefetch bytes, the exposed-fetch fraction and the hit
+rate, then whether the design's ordering B0 < B1 < OURS ≤ B3 holds in tokens/s. Everything runs through the
+Engine interface, exactly as a runner does; configurations of one (B, c, repeat) run back to back (a shared
+machine's load drifts over minutes) and the table shows medians over repeats.
+
+    .venv/bin/python benchmarks/engine_spec.py --preset mini-gpt-oss --gbps 0.05 --repeats 2
+    .venv/bin/python benchmarks/engine_spec.py --measure-proxy --preset mini-qwen3-coder
+
+``--measure-proxy`` measures the recall of candidate route-ahead proxies instead (docs/reference-engine.md
+"Route-ahead proxy"): for drafted blocks after greedy target rollouts, each candidate hidden state goes through
+the target's post-attention norm and router of every MoE layer, and the union of the predicted top-k is compared
+with what the verify forward really routed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("PD_DFLASH_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "pd-dflash"))
+
+BASELINES = ("B0", "B1", "B2", "B3", "OURS")
+
+
+def engine_for(spec):
+    from pd_dflash.engine.interface import EngineContext
+    from pd_dflash.engine.registry import engine_class
+
+    ctx = EngineContext(
+        sweep=spec.name,
+        model=spec.models[0],
+        memory=spec.memory,
+        hardware=spec.hardware,
+        workload=spec.workload,
+        slo=spec.slo,
+        device="cpu",
+    )
+    return engine_class(spec.engine)(ctx)
+
+
+def summarize(row) -> dict:
+    ec = row.engine["expert_cache"]
+    return {
+        "tokens_per_second": row.output_tokens_per_second,
+        "tau": row.acceptance_length_a,
+        "coverage": row.route_ahead_prefetch_coverage,
+        "wasted_prefetch_bytes": row.wasted_prefetch_bytes,
+        "hit_rate": row.expert_cache_hit_rate,
+        "exposed_fetch_fraction": ec["exposed_fetch_fraction"],
+        "h2d_bytes_per_token": (row.cost_terms.h2d_bytes or 0) / max(1, row.generated_tokens),
+        "per_round_latency_seconds": row.per_round_latency_seconds,
+        "requests_per_forward": row.engine["batch"]["requests_per_forward_mean"],
+        "t_draft_seconds": row.t_draft_seconds,
+        "t_router_seconds": row.t_router_seconds,
+        "t_verify_seconds": row.t_verify_seconds,
+        "overlap_any_compute": (row.engine.get("overlap") or {})
+        .get("overlap_fraction", {})
+        .get("any_compute"),
+        "hidden": row.hide_inequality.hidden if row.hide_inequality else None,
+        "digest": row.engine["output_digest"],
+    }
+
+
+def compare(args) -> dict:
+    from pd_dflash.schema import Row
+    from pd_dflash.spec import expand, parse_spec
+
+    options = {
+        "emulated_h2d_gbps": args.gbps,
+        "emulated_latency_us": args.latency_us,
+        "drafter": args.drafter,
+        "cross_round_prefetch": args.cross_round,
+    }
+    for item in args.option:
+        key, _, value = item.partition("=")
+        options[key] = json.loads(value)
+    spec = parse_spec(
+        {
+            "name": "engine-spec-bench",
+            "models": [{"id": args.preset, "preset": args.preset, "engine_options": options}],
+            "baselines": list(BASELINES),
+            "block_sizes": args.block_sizes,
+            "concurrency": args.concurrency,
+            "repeats": args.repeats,
+            "workload": {
+                "requests": args.requests,
+                "warmup_rounds": args.warmup,
+                "max_new_tokens": args.max_new,
+                "prompt_tokens": args.prompt_tokens,
+                "temperature": args.temperature,
+                "seed": 1408,
+            },
+            "memory": {"expert_cache_fraction": args.fraction},
+            "hardware": {"device": "cpu", "cpus_per_runner": args.threads},
+        }
+    )
+    start = time.perf_counter()
+    engine = engine_for(spec)
+    load = time.perf_counter() - start
+    cells = {(c.baseline, c.block_size, c.concurrency, c.repeat): c for c in expand(spec)}
+    results: dict[tuple, list[dict]] = {}
+    drafter = None
+    for rep in range(args.repeats):
+        for b in args.block_sizes:
+            for conc in args.concurrency:
+                for baseline in BASELINES:
+                    # B0/B3 are block-independent: one cell per (c, repeat), shown in every B group.
+                    key = (baseline, min(args.block_sizes) if baseline in ("B0", "B3") else b, conc, rep)
+                    if b != min(args.block_sizes) and baseline in ("B0", "B3"):
+                        results.setdefault((baseline, b, conc), []).append(
+                            results[(baseline, key[1], conc)][rep]
+                        )
+                        continue
+                    t0 = time.perf_counter()
+                    row = Row.from_result(cells[key], engine.run_cell(cells[key]))
+                    s = summarize(row)
+                    s["cell_seconds"] = time.perf_counter() - t0
+                    drafter = drafter or row.engine.get("drafter")
+                    results.setdefault((baseline, b, conc), []).append(s)
+    facts = engine.describe()
+    engine.close()
+    table = []
+    for b in args.block_sizes:
+        for conc in args.concurrency:
+            med = {
+                baseline: {
+                    k: statistics.median(r[k] for r in results[(baseline, b, conc)])
+                    if all(
+                        isinstance(r[k], (int, float)) and not isinstance(r[k], bool)
+                        for r in results[(baseline, b, conc)]
+                    )
+                    else results[(baseline, b, conc)][0][k]
+                    for k in results[(baseline, b, conc)][0]
+                }
+                for baseline in BASELINES
+            }
+            tps = {baseline: med[baseline]["tokens_per_second"] for baseline in BASELINES}
+            table.append(
+                {
+                    "block_size": b,
+                    "concurrency": conc,
+                    "configurations": med,
+                    "over_b0": {k: v / tps["B0"] for k, v in tps.items()},
+                    "ordering_b0_lt_b1_lt_ours_le_b3": tps["B0"] < tps["B1"] < tps["OURS"] <= tps["B3"],
+                    "ordering_parts": {
+                        "B0<B1": tps["B0"] < tps["B1"],
+                        "B1<OURS": tps["B1"] < tps["OURS"],
+                        "OURS<=B3": tps["OURS"] <= tps["B3"],
+                    },
+                    "same_tokens": len({med[x]["digest"] for x in BASELINES}) == 1,
+                }
+            )
+    return {
+        "preset": args.preset,
+        "engine_load_seconds": load,
+        "expert_nbytes": facts["expert_nbytes"],
+        "total_expert_bytes": facts["total_expert_bytes"],
+        "cache_fraction": args.fraction,
+        "emulated_h2d_gbps": args.gbps,
+        "emulated_latency_us": args.latency_us,
+        "threads": args.threads,
+        "drafter": drafter,
+        "workload": spec.workload.model_dump(),
+        "repeats": args.repeats,
+        "table": table,
+    }
+
+
+def print_compare(cmp: dict) -> None:
+    print(
+        f"{cmp['preset']}: expert {cmp['expert_nbytes']} B, all experts {cmp['total_expert_bytes']} B, cache "
+        f"{cmp['cache_fraction']:.0%}, emulated link {cmp['emulated_h2d_gbps']} GB/s + {cmp['emulated_latency_us']} us, "
+        f"drafter {cmp['drafter']['kind']}, medians over {cmp['repeats']} repeat(s)"
+    )
+    header = "  B  c  conf   tok/s  /B0    tau  coverage  waste MB  hit    exposed  H2D KB/tok  req/fwd"
+    for group in cmp["table"]:
+        print(header)
+        for baseline, r in group["configurations"].items():
+            cov = "   -   " if r["coverage"] is None else f"{r['coverage']:7.3f}"
+            print(
+                f"{group['block_size']:3d} {group['concurrency']:2d}  {baseline:4s} {r['tokens_per_second']:7.1f} "
+                f"{group['over_b0'][baseline]:5.2f} {r['tau']:5.2f}  {cov}  {(r['wasted_prefetch_bytes'] or 0) / 1e6:8.2f}"
+                f"  {r['hit_rate']:5.3f}  {r['exposed_fetch_fraction']:7.3f}  {r['h2d_bytes_per_token'] / 1e3:10.1f}"
+                f"  {r['requests_per_forward']:7.2f}"
+            )
+        parts = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in group["ordering_parts"].items())
+        verdict = "HOLDS" if group["ordering_b0_lt_b1_lt_ours_le_b3"] else "does NOT hold"
+        print(
+            f"  ordering B0 < B1 < OURS <= B3 {verdict} ({parts}); same tokens in every configuration: "
+            f"{group['same_tokens']}"
+        )
+
+
+def measure_proxy(preset_name: str, block_size: int, prompts: int) -> dict:
+    """Recall of candidate route-ahead proxies against the verify's routing (greedy drafts after greedy rollouts)."""
+    import torch
+
+    from pd_dflash.engine.reference.drafter import gather_features
+    from pd_dflash.engine.reference.drafter_train import target_rollouts
+    from pd_dflash.engine.reference.drafters import load_drafter
+    from pd_dflash.engine.reference.families import family_of
+    from pd_dflash.engine.reference.presets import get_preset
+    from pd_dflash.engine.reference.training import load_preset
+
+    torch.set_num_threads(1)
+    preset = get_preset(preset_name)
+    model, _ = load_preset(preset)
+    drafter, card = load_drafter(preset, model)
+    family = family_of(model.config)
+    cfg = drafter.config
+    seqs = target_rollouts(model, torch.from_numpy(preset.language.sample(prompts, 24, seed=[5, 5])), 24)
+    moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, family.router_attr)]
+    routed, resid = {}, {}
+    hooks = [
+        getattr(model.model.layers[i].mlp, family.router_attr).register_forward_hook(
+            lambda _m, _i, out, i=i: routed.__setitem__(i, out[2])
+        )
+        for i in moe
+    ]
+    hooks.append(
+        model.model.layers[moe[0]].post_attention_layernorm.register_forward_pre_hook(
+            lambda _m, args: resid.__setitem__("first", args[0])
+        )
+    )
+    counts: dict[tuple[str, int], list[int]] = {}
+    try:
+        with torch.no_grad():
+            for anchor_pos in (26, 32, 38):
+                ids = seqs[:, :anchor_pos]
+                out = model(ids, output_hidden_states=True)
+                ctx = gather_features(out.hidden_states, cfg.target_layer_ids)[:, -cfg.context_len :]
+                anchor = out.logits[:, -1].argmax(-1)
+                hidden = drafter.hidden_states(anchor, ctx, block_size)
+                block = torch.cat([anchor[:, None], drafter.logits(hidden[:, 1:]).argmax(-1)], 1)
+                model(torch.cat([ids, block], 1))
+                candidates = {
+                    "drafter hidden": hidden,
+                    "token embedding": model.model.embed_tokens(block),
+                    "drafter hidden + embedding": hidden + model.model.embed_tokens(block),
+                    "first-layer residual (exact attention)": resid["first"][:, -block_size:],
+                }
+                for layer in moe:
+                    actual = routed[layer].view(ids.shape[0], -1, routed[layer].shape[-1])[:, -block_size:]
+                    norm = model.model.layers[layer].post_attention_layernorm
+                    router = getattr(model.model.layers[layer].mlp, family.router_attr)
+                    for name, x in candidates.items():
+                        pred = router(norm(x).reshape(-1, x.shape[-1]))[2].view(ids.shape[0], block_size, -1)
+                        for s in range(ids.shape[0]):
+                            a, p = set(actual[s].flatten().tolist()), set(pred[s].flatten().tolist())
+                            c = counts.setdefault((name, layer), [0, 0, 0])
+                            c[0], c[1], c[2] = c[0] + len(p & a), c[1] + len(a), c[2] + len(p)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {
+        "preset": preset_name,
+        "block_size": block_size,
+        "drafter_tau": card["tau"],
+        "moe_layers": moe,
+        "proxies": {},
+    }
+    for name in dict.fromkeys(n for n, _ in counts):
+        per = {layer: counts[(name, layer)] for layer in moe}
+        out["proxies"][name] = {
+            "recall": sum(c[0] for c in per.values()) / sum(c[1] for c in per.values()),
+            "recall_per_layer": [round(c[0] / c[1], 3) for c in per.values()],
+            "predicted_over_actual": sum(c[2] for c in per.values()) / sum(c[1] for c in per.values()),
+        }
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="mini-gpt-oss")
+    p.add_argument("--gbps", type=float, default=0.05, help="emulated host-to-device bandwidth, GB/s")
+    p.add_argument("--latency-us", type=float, default=10.0)
+    p.add_argument(
+        "--fraction", type=float, default=0.25, help="expert cache capacity / all routed-expert bytes"
+    )
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--max-new", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--drafter", choices=("dflash", "early_exit"), default="dflash")
+    p.add_argument("--cross-round", action="store_true", help="route-ahead cross-round prefetch (ablation)")
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        help="extra engine option KEY=JSON (e.g. scheduler_budget_bytes=1e7)",
+    )
+    p.add_argument("--measure-proxy", action="store_true", help="measure route-ahead proxy recall instead")
+    p.add_argument("--proxy-prompts", type=int, default=64)
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+    if args.measure_proxy:
+        results = {
+            "proxy": [measure_proxy(args.preset, b, args.proxy_prompts) for b in args.block_sizes],
+        }
+        for r in results["proxy"]:
+            print(
+                f"{r['preset']} B={r['block_size']} (drafter tau {r['drafter_tau']}), MoE layers {r['moe_layers']}"
+            )
+            for name, v in r["proxies"].items():
+                print(
+                    f"  {name:40s} recall {v['recall']:.3f}  per layer {v['recall_per_layer']}  "
+                    f"|P|/|A| {v['predicted_over_actual']:.2f}"
+                )
+    else:
+        results = compare(args)
+        print_compare(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
