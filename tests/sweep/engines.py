@@ -115,6 +115,8 @@ class FaultOptions(BaseModel):
     behaviors: dict[str, Behavior] = Field(default_factory=dict)
     #: Where the ``*_once`` behaviours leave their markers.
     state_dir: str | None = None
+    #: Every cell run on this Ray node kills its runner (a broken box, for the circuit breaker).
+    bad_node: str | None = None
 
 
 def fault_selector(cell: Cell) -> str:
@@ -139,6 +141,12 @@ class FaultEngine(Engine):
 
     def run_cell(self, cell: Cell) -> EngineResult:
         record_start(cell)
+        if self.options.bad_node:
+            import ray
+
+            if ray.get_runtime_context().get_node_id() == self.options.bad_node:
+                time.sleep(self.options.seconds)
+                os._exit(17)
         behavior = self.options.behaviors.get(fault_selector(cell), "ok")
         if behavior.endswith("_once"):
             behavior = behavior[: -len("_once")] if self._first_try(cell) else "ok"

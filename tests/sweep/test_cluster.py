@@ -225,6 +225,23 @@ def test_unwritable_results_directory_exits_before_any_actor_starts(cluster, tmp
     assert actors_by_class() == before
 
 
+def test_a_box_whose_runners_keep_dying_is_taken_out_of_rotation(cluster, tmp_path):
+    _, boxes = cluster
+    bad = boxes[0].node_id
+    spec = make_spec(
+        engine=FAULT, models=[{"id": "m1", "engine_options": {"seconds": 0.3, "bad_node": bad}}], repeats=2
+    )
+    # Threshold 2 (default 3): both runners of the bad box die on their first cells.
+    outcome = run_sweep(spec, options(tmp_path / "out", breaker_threshold=2))
+    rows = assert_complete(spec, tmp_path / "out")
+    assert outcome.exit_code == 0 and all(r.status == Status.OK for r in rows)
+    assert all(r.runner["node_id"] == boxes[1].node_id for r in rows)
+    assert [o["node_id"] for o in outcome.out_of_rotation] == [bad]
+    assert "2 runner failures in a row" in outcome.out_of_rotation[0]["reason"]
+    record = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert record["out_of_rotation"][0]["node_id"] == bad
+
+
 def test_a_collector_killed_mid_sweep_is_restarted_and_loses_no_row(cluster, tmp_path):
     spec = make_spec(
         models=[
