@@ -1,7 +1,7 @@
 """Block drafter: distillation against a briefly trained tiny MoE target on a seeded order-2 language.
 
 A random target is useless for acceptance (engine-anchors.md §3.4), so the module fixture trains one for a few
-seconds first. Run with ``-s`` to see the measured τ (docs/engine-components.md quotes it).
+seconds first. Run with ``-s`` to see the measured τ (quoted in docs/reference-engine.md, Components §4).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ class TargetModel:
         h = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(h, positions)
         masks = [
-            attention_masks(self.model, h[:, s:e], b.request.cache, positions[:, s:e])
+            attention_masks(self.model, h[:, s:e], b.request.cache, positions[:, s:e], layers=upto)
             for b, (s, e) in zip(blocks, spans, strict=True)
         ]
         captured = {0: h} if 0 in capture else {}
@@ -209,7 +209,7 @@ class TargetModel:
         h = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(h, positions)
         masks = [
-            attention_masks(self.model, h[:, s:e], b.request.cache, positions[:, s:e])
+            attention_masks(self.model, h[:, s:e], b.request.cache, positions[:, s:e], layers=layer + 1)
             for b, (s, e) in zip(blocks, spans, strict=True)
         ]
         for i, dec in enumerate(base.layers[: layer + 1]):

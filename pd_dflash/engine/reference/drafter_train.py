@@ -9,9 +9,9 @@ by KL(p_target ‖ q_drafter). Every step draws a batch from ``sample_batch(gene
 Recommended data (DFlash trains on target-generated responses): ``target_rollouts`` continues prompts of the
 synthetic language with the target's own greedy decoding, and ``pool_sampler`` draws training batches from that
 pool. With greedy verification this lifts τ by 0.9-3.5 tokens per round on every reference preset
-(docs/engine-components.md, ``python -m pd_dflash.engine.reference.drafter_train --data both``): along noisy
-language data the teacher's distribution at depth k is conditioned on intermediate tokens the drafter cannot
-see, along greedy rollouts it is not.
+(docs/reference-engine.md Components §4, ``python -m pd_dflash.engine.reference.drafter_train --data both``):
+along noisy language data the teacher's distribution at depth k is conditioned on intermediate tokens the
+drafter cannot see, along greedy rollouts it is not.
 
 The drafter is trained once at ``block_size_max``; because attention inside the block is causal, its first B
 positions serve any smaller B unchanged.

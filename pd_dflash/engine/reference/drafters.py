@@ -37,8 +37,8 @@ _CODE_FILES = ("drafter.py", "drafter_train.py", "drafters.py")
 #: Distillation steps per preset (the bounded training budget; ~0.1-0.25 s per step on one shared core).
 DRAFTER_STEPS = {"micro": 200}
 DEFAULT_DRAFTER_STEPS = 300
-#: The recipe (docs/engine-components.md §4): rollouts of 8-token language prompts continued by 40 target
-#: tokens, batches of 16 × 48 tokens, 8 anchors per sequence; τ measured over 128 held-out 40-token prompts.
+#: The recipe (docs/reference-engine.md, Components §4): rollouts of 8-token language prompts continued by 40
+#: target tokens, batches of 16 × 48 tokens, 8 anchors per sequence; τ measured over 128 held-out 40-token prompts.
 POOL_PROMPTS, POOL_PROMPT_TOKENS, POOL_NEW_TOKENS, BATCH = 2048, 8, 40, 16
 TAU_PROMPTS, TAU_PROMPT_TOKENS = 128, 40
 
