@@ -134,11 +134,13 @@ class ReferenceEngine(Engine):
         wl = self.ctx.workload
         warm = self._requests(cell, wl.warmup_rounds, max_new=cell.block_size, stream=1, tag="warmup")
         timed = self._requests(cell, wl.requests, max_new=cell.max_new_tokens, stream=0, tag="r")
+        drafter_loaded_here = self._dflash is None
         drafter_load = time.perf_counter()
         decoding, drafter_facts, refusal = self._decoding(cell)
         if refusal:
             return EngineResult(status=Status.REFUSED, reason=refusal)
         drafter_load = time.perf_counter() - drafter_load
+        drafter_loaded_here = drafter_loaded_here and self._dflash is not None
         runtime, link_facts = self._runtime(cell, capacity)
         try:
             scheduler, refusal = self._scheduler(cell, runtime, max(len(r.prompt) for r in warm + timed))
@@ -166,8 +168,8 @@ class ReferenceEngine(Engine):
             engine["drafter"] = drafter_facts
             engine["scheduler"] = scheduler.describe()
             timings = {"setup": setup_seconds, "warmup": warm_seconds, "timed": timed_seconds}
-            if drafter_facts and not drafter_facts.get("card", {}).get("cache_hit", True):
-                timings["drafter_training"] = drafter_load
+            if drafter_loaded_here:  # trained it, waited on another runner's training, or loaded it
+                timings["drafter_load"] = drafter_load
             measurement = CellMeasurement(
                 requests=timed,
                 rounds=rounds,
