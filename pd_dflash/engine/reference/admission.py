@@ -41,27 +41,18 @@ class DeficitAdmission:
         self.name = "two_dim_deficit" if isinstance(scheduler, TwoDimDeficitScheduler) else "token_deficit"
         self.fetch_keys, self.is_resident, self.expert_nbytes = fetch_keys, is_resident, expert_nbytes
         self.in_flight = in_flight or (lambda rid: False)
-        self.steps = 0
-        self.idle_steps = 0
-        self.deferring_steps = 0
-        self.deferred_total = 0
-        self.seated_total = 0
-        self.binding = Counter()
-        self.admitted_histogram = Counter()
-        self.max_used = [0 for _ in scheduler.dimensions]
-        self.max_carried = [0 for _ in scheduler.dimensions]
-        self.trace: list[dict] = []
+        self.reset()
 
     def reset(self) -> None:
-        """After warm-up: the measurement restarts, the scheduler's carry too."""
-        self.__init__(
-            self.scheduler,
-            fetch_keys=self.fetch_keys,
-            is_resident=self.is_resident,
-            expert_nbytes=self.expert_nbytes,
-            in_flight=self.in_flight,
-        )
+        """Start a measurement (after warm-up): counters, trace and the scheduler's carry restart."""
+        dims = len(self.scheduler.dimensions)
         self.scheduler.reset()
+        self.steps = self.idle_steps = self.deferring_steps = self.deferred_total = self.seated_total = 0
+        self.binding: Counter = Counter()
+        self.admitted_histogram: Counter = Counter()
+        self.max_used = [0] * dims
+        self.max_carried = [0] * dims
+        self.trace: list[dict] = []
 
     def select(self, blocks: list[Block]) -> list[Block]:
         by_rid = {b.request.rid: b for b in blocks}
