@@ -752,7 +752,8 @@ def run_sweep(spec: SweepSpec, options: RunOptions, *, address: str | None = Non
             out = Path(options.out_dir)
             probe_writable(out)
             check_resumable(out, spec, options.mode)
-            ray.init(**local_cluster_args(spec))
+            # address="local": always start our own cluster, never join one another process left running.
+            ray.init(address="local", **local_cluster_args(spec))
         owns_ray = True
     try:
         return SweepDriver(spec, options).run()

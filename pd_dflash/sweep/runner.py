@@ -184,7 +184,9 @@ def check_engine_importable(engine: str, env: dict[str, str]) -> dict[str, Any]:
         return {"ok": False, "error": f"engine {engine!r}: {_short(str(exc))}"}
     missing = [m for m in traits.requires if not _importable(m)]
     if missing:
-        return {"ok": False, "error": f"modules not importable: {', '.join(missing)} (engine {engine})"}
+        hints = [traits.install_hints[m] for m in missing if m in traits.install_hints]
+        how = f"; {'; '.join(hints)}" if hints else ""
+        return {"ok": False, "error": f"modules not importable: {', '.join(missing)} (engine {engine}){how}"}
     try:
         registry.engine_class(engine)
     except Exception as exc:

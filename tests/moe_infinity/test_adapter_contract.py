@@ -354,6 +354,7 @@ def test_without_moe_infinity_plan_works_and_preflight_says_how_to_fix(tmp_path)
     assert check.returncode == 0, check.stderr
     result = json.loads(check.stdout.strip().splitlines()[-1])
     assert result["ok"] is False and "moe_infinity" in result["error"]
+    assert "docs/operators.md" in result["error"]  # the install hint reaches the operator
     from pd_dflash.engine.registry import traits
 
     assert "docs/operators.md" in traits("moe_infinity").install_hints["moe_infinity"]
