@@ -19,7 +19,7 @@ import pandas as pd
 
 from pd_dflash.costmodel import evaluate_hide_inequality
 from pd_dflash.errors import InputError
-from pd_dflash.schema import FAILED_STATUSES, MEASURED_STATUSES, RATIO_METRICS, REQUIRED_METRICS, Row, Status
+from pd_dflash.schema import FINAL_STATUSES, MEASURED_STATUSES, RATIO_METRICS, REQUIRED_METRICS, Row, Status
 from pd_dflash.spec import BASELINE_ORDER
 
 #: Upstream's configurations of a complete group (``evaluate_matrix`` loops over these only).
@@ -214,7 +214,7 @@ def place_rows(rows: Sequence[Row], sources: Sequence[str] | None = None) -> tup
         ident = row.identity
         j = by_identity.get(ident)
         if j is not None:
-            if rows[j].status in FAILED_STATUSES:
+            if rows[j].status not in FINAL_STATUSES:
                 superseded.append((sources[j], sources[i]))
                 kept[j] = None
             else:

@@ -77,6 +77,10 @@ MEASURED_STATUSES = frozenset({Status.OK, Status.PARTIAL})
 BLOCKED_STATUSES = frozenset({Status.BLOCKED_UNTIL_2D_SCHEDULER, Status.UNAVAILABLE_CAPACITY, Status.REFUSED})
 FAILED_STATUSES = frozenset({Status.ERROR, Status.TIMEOUT})
 REASON_REQUIRED = frozenset({Status.REFUSED, Status.ERROR, Status.TIMEOUT})
+#: A row with a final status stands for its cell for good. A failed row (ERROR/TIMEOUT) is superseded by a later
+#: row of the same cell (``pd-dflash run --retry-errors`` appends one; nothing stored is ever deleted). The sweep's
+#: resume and the report both apply this one rule.
+FINAL_STATUSES = frozenset(Status) - FAILED_STATUSES
 
 
 def check_number(name: str, value: Any, *, upper: float | None = None) -> int | float:

@@ -30,7 +30,7 @@ from typing import Any
 
 from pd_dflash.errors import InputError
 from pd_dflash.rows import append_row, read_rows, repair_torn_tail, write_atomic
-from pd_dflash.schema import FAILED_STATUSES, Row, Status
+from pd_dflash.schema import FINAL_STATUSES, Row, Status
 from pd_dflash.spec import Cell, SweepSpec, expand
 
 ROWS_FILE = "rows.jsonl"
@@ -38,11 +38,6 @@ SWEEP_FILE = "sweep.json"
 ERRORS_DIR = "errors"
 ARCHIVE_DIR = "archive"
 LOCK_FILE = ".lock"
-
-#: A cell with a row of one of these statuses is done for good: resume skips it, a later row is a duplicate.
-FINAL_STATUSES = frozenset(Status) - FAILED_STATUSES
-#: A cell whose current row has one of these is rerun by ``--retry-errors`` (plain resume skips it too).
-RETRYABLE_STATUSES = FAILED_STATUSES
 
 
 class Mode(str, Enum):
