@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_lazy("pd_dflash.engine.probe:probe_main"))
 
     p = sub.add_parser("overlap", help="BM4 H2D/compute overlap from nsys stats CSV exports")
-    p.add_argument("--gpu-trace", required=True, help="nsys stats --report cuda_gpu_trace CSV")
-    p.add_argument("--nvtx-trace", required=True, help="nsys stats --report nvtx_pushpop_trace CSV")
+    p.add_argument("--rep", help="an .nsys-rep: export both CSV reports with `nsys stats` (nsys on PATH)")
+    p.add_argument("--gpu-trace", help="nsys stats --report cuda_gpu_trace CSV (instead of --rep)")
+    p.add_argument("--nvtx-trace", help="nsys stats --report nvtx_pushpop_trace CSV (instead of --rep)")
     p.add_argument(
         "--compute-range",
         nargs="+",

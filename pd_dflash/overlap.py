@@ -15,7 +15,7 @@ Each memcpy contributes ``bytes × overlapped duration / duration`` against the 
 ranges are unioned, so nothing counts twice); a zero-duration memcpy counts fully only if its start lies in a
 span. ``overlap_fraction`` = overlapped / total bytes (0 without bytes). With ``--h2d-gbps`` (a measured
 bandwidth, e.g. ``pd-dflash probe``) the overlapped bytes become ``overlap_with_prev_verify_seconds``, the
-overlap term of the hide inequality. Pure: csv, decimal and json only.
+overlap term of the hide inequality. ``--rep`` runs ``nsys stats`` itself, as upstream did. No torch, no Ray.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import argparse
 import csv
 import json
 import re
+import shutil
+import subprocess
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -265,8 +267,45 @@ def overlap_report(
     return report
 
 
+NSYS_REPORTS = ("cuda_gpu_trace", "nvtx_pushpop_trace")
+
+
+def export_nsys_reports(rep: str | Path, nsys: str = "nsys") -> tuple[Path, Path]:
+    """Run ``nsys stats`` on a report as upstream's parse_overlap does; return the two CSV paths.
+
+    nsys writes ``<prefix>_cuda_gpu_trace.csv`` and ``<prefix>_nvtx_pushpop_trace.csv`` next to the report.
+    """
+    rep = Path(rep)
+    if not rep.is_file():
+        raise InputError("no such .nsys-rep file", where=str(rep))
+    binary = shutil.which(nsys)
+    if binary is None:
+        raise InputError(
+            "nsys is not on PATH (install Nsight Systems, or export the CSVs elsewhere and pass --gpu-trace "
+            "and --nvtx-trace)",
+            where="--rep",
+        )
+    prefix = rep.with_suffix("")
+    command = [binary, "stats", *(f"--report={r}" for r in NSYS_REPORTS), "--format=csv",
+               "--force-export=true", "--force-overwrite=true", f"--output={prefix}", str(rep)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    outputs = tuple(Path(f"{prefix}_{r}.csv") for r in NSYS_REPORTS)
+    if done.returncode != 0 or not all(p.is_file() for p in outputs):
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise InputError(f"nsys stats failed (exit {done.returncode}): {' | '.join(tail)}", where=str(rep))
+    return outputs[0], outputs[1]
+
+
 def overlap_main(args: argparse.Namespace) -> int:
-    report = overlap_report(args.gpu_trace, args.nvtx_trace, args.compute_range, args.h2d_gbps)
+    gpu_trace, nvtx_trace = getattr(args, "gpu_trace", None), getattr(args, "nvtx_trace", None)
+    rep = getattr(args, "rep", None)
+    if rep and (gpu_trace or nvtx_trace):
+        raise InputError("give either --rep or both --gpu-trace and --nvtx-trace, not both", where="--rep")
+    if rep:
+        gpu_trace, nvtx_trace = export_nsys_reports(rep)
+    elif not (gpu_trace and nvtx_trace):
+        raise InputError("needs --rep, or both --gpu-trace and --nvtx-trace", where="pd-dflash overlap")
+    report = overlap_report(gpu_trace, nvtx_trace, args.compute_range, args.h2d_gbps)
     text = json.dumps(report, indent=2, sort_keys=True) + "\n"
     if args.output:
         from pd_dflash.rows import write_atomic

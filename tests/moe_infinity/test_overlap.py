@@ -127,6 +127,47 @@ def test_cli_writes_upstream_keys(tmp_path, capsys):
     assert printed["overlap_with_prev_verify_seconds"] == pytest.approx(CANONICAL_OVERLAP_SECONDS, rel=1e-12)
 
 
+def test_rep_runs_nsys_stats_and_reads_its_exports(tmp_path, monkeypatch, capsys):
+    """--rep calls `nsys stats` like upstream; a stand-in nsys on PATH writes the two CSV exports."""
+    made = tmp_path / "made"
+    made.mkdir()
+    gpu, nvtx = write_canonical(made)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    nsys = bin_dir / "nsys"
+    nsys.write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" > {tmp_path}/nsys-args\n'
+        'for a in "$@"; do case "$a" in --output=*) prefix="${a#--output=}";; esac; done\n'
+        f'cp {gpu} "${{prefix}}_cuda_gpu_trace.csv"; cp {nvtx} "${{prefix}}_nvtx_pushpop_trace.csv"\n'
+    )
+    nsys.chmod(0o755)
+    rep = tmp_path / "bm4.nsys-rep"
+    rep.write_bytes(b"not really a report")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    assert main(["overlap", "--rep", str(rep)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["overlapped_h2d_bytes"] == CANONICAL_OVERLAPPED and printed["rep"] == str(tmp_path / "bm4")
+    args = (tmp_path / "nsys-args").read_text()
+    assert "stats" in args and "--report=cuda_gpu_trace" in args and "--report=nvtx_pushpop_trace" in args
+    assert "--format=csv" in args and str(rep) in args
+    nsys.write_text("#!/bin/sh\necho 'broken report' >&2\nexit 3\n")
+    (tmp_path / "bm4_cuda_gpu_trace.csv").unlink()
+    assert main(["overlap", "--rep", str(rep)]) == 2
+    assert "nsys stats failed (exit 3): broken report" in capsys.readouterr().err
+
+
+def test_rep_needs_nsys_and_excludes_csv_inputs(tmp_path, monkeypatch, capsys):
+    rep = tmp_path / "x.nsys-rep"
+    rep.write_bytes(b"")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["overlap", "--rep", str(rep)]) == 2
+    assert "nsys is not on PATH" in capsys.readouterr().err
+    assert main(["overlap", "--rep", str(rep), "--gpu-trace", "a.csv"]) == 2
+    assert main(["overlap", "--gpu-trace", "a.csv"]) == 2
+    assert "needs --rep" in capsys.readouterr().err
+
+
 def test_custom_compute_ranges_match_with_or_without_colon(tmp_path):
     gpu, nvtx = write_canonical(tmp_path)
     only_issue = overlap_report(gpu, nvtx, compute_ranges=[":expert_h2d"])
