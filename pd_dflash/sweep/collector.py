@@ -94,7 +94,6 @@ class Collector:
         summary = {
             "counts": self.store.counts(),
             "outputs": _jsonable(outputs),
-            "matrix_note": self.store.matrix_note,
             "matrix_errors": list(self.matrix_errors),
             "current_statuses": {k: v.status.value for k, v in self.store.stored().items()},
         }

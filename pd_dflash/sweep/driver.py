@@ -88,7 +88,6 @@ class Outcome:
     loads: int
     wall_s: float
     out_of_rotation: list[dict[str, Any]]
-    matrix_note: str | None = None
     #: Orchestration figures (benchmarks/orchestrator.py): per-cell runner gaps, cell and load times.
     stats: dict[str, Any] = field(default_factory=dict)
 
@@ -670,16 +669,16 @@ class SweepDriver:
         failed_now = sum(1 for s in summary["current_statuses"].values() if Status(s) in FAILED_STATUSES)
         for err in summary["matrix_errors"]:
             self._event(f"writing the result matrices failed: {err.splitlines()[0]}")
-        if summary["matrix_note"]:
-            self._event(summary["matrix_note"])
         complete = counts["stored"] == counts["total"]
-        ok = complete and not failed_now and not summary["matrix_errors"] and not summary["matrix_note"]
+        ok = complete and not failed_now and not summary["matrix_errors"]
         statuses = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k not in ("stored", "total"))
         self._event(
             f"sweep {self.spec.name}: {counts['stored']}/{counts['total']} cells stored ({statuses}) in "
             f"{format_duration(wall)}; {self.loads} model loads; rows in {self.opts.out_dir}/{ROWS_FILE}"
-            + (f"; matrix in {self.opts.out_dir}/result_matrix.md" if not summary["matrix_note"] else "")
+            + (f"; matrix in {self.opts.out_dir}/result_matrix.md" if summary["outputs"] else "")
         )
+        if summary["outputs"]:
+            self._event(summary["outputs"]["overall"]["line"])
         if failed_now:
             self._event(f"{failed_now} cells failed (ERROR/TIMEOUT, see errors/); --retry-errors reruns them")
         return Outcome(
@@ -691,7 +690,6 @@ class SweepDriver:
             loads=self.loads,
             wall_s=wall,
             out_of_rotation=self.out_of_rotation,
-            matrix_note=summary["matrix_note"],
             stats={
                 "gaps_s": self.gaps,
                 "gap_queued": self.gap_queued,

@@ -189,7 +189,6 @@ class SweepStore:
         self._stored: dict[str, StoredCell] = {}
         self._lock_fd: int | None = None
         self.record: dict[str, Any] = {}
-        self.matrix_note: str | None = None
 
     @property
     def rows_path(self) -> Path:
@@ -365,13 +364,7 @@ class SweepStore:
     # matrices --------------------------------------------------------------------------------------------
     def write_matrices(self, *, plots: bool = False) -> dict[str, Any] | None:
         """Rewrite result_matrix.* from the current rows (the report writes each file atomically)."""
+        from pd_dflash.report import write_outputs
+
         self._flush_record()
-        try:
-            from pd_dflash.report import write_outputs
-        except ModuleNotFoundError as exc:
-            if exc.name != "pd_dflash.report":
-                raise
-            self.matrix_note = "pd_dflash.report is not available: result matrices were not written"
-            return None
-        self.matrix_note = None
         return write_outputs(self.current(), self.out_dir, self.spec.gates, plots=plots, spec=self.spec)
