@@ -30,15 +30,7 @@ def engine_for(spec, device="cpu"):
     from pd_dflash.engine.interface import EngineContext
     from pd_dflash.engine.registry import engine_class
 
-    ctx = EngineContext(
-        sweep=spec.name,
-        model=spec.models[0],
-        memory=spec.memory,
-        hardware=spec.hardware,
-        workload=spec.workload,
-        slo=spec.slo,
-        device=device,
-    )
+    ctx = EngineContext.for_model(spec, device=device)
     return engine_class(spec.engine)(ctx)
 
 

@@ -141,15 +141,7 @@ def step_reference(device: str, preset: str) -> dict[str, Any]:
             },
         }
     )
-    ctx = EngineContext(
-        sweep=spec.name,
-        model=spec.models[0],
-        memory=spec.memory,
-        hardware=spec.hardware,
-        workload=spec.workload,
-        slo=spec.slo,
-        device="cuda:0" if device == "cuda" else "cpu",
-    )
+    ctx = EngineContext.for_model(spec, device="cuda:0" if device == "cuda" else "cpu")
     start = time.perf_counter()
     engine = ReferenceEngine(ctx)
     load_seconds = time.perf_counter() - start

@@ -99,16 +99,7 @@ def run_upstream_way(spec) -> float:
     """One GPU, one cell after another, the model loaded again for every cell (upstream's bash loop)."""
     started = time.perf_counter()
     for cell in expand(spec):
-        model = spec.model(cell.model)
-        ctx = EngineContext(
-            sweep=spec.name,
-            model=model,
-            memory=spec.memory,
-            hardware=spec.hardware,
-            workload=spec.workload,
-            slo=spec.slo,
-            device="cpu",
-        )
+        ctx = EngineContext.for_model(spec, cell.model, device="cpu")
         engine = FixedDurationEngine(ctx)
         Row.from_result(cell, engine.run_cell(cell), sweep=spec.name)
         engine.close()

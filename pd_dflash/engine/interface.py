@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from pd_dflash.schema import EngineResult
-from pd_dflash.spec import SLO, Cell, Hardware, Memory, ModelSpec, Workload
+from pd_dflash.spec import SLO, Cell, Hardware, Memory, ModelSpec, SweepSpec, Workload
 
 
 class EngineContext(BaseModel):
@@ -30,6 +30,22 @@ class EngineContext(BaseModel):
     device: str
     #: From ``registry.load_group``: "shared" (serves every baseline) or "resident" (B3-only load).
     load_group: str = "shared"
+
+    @classmethod
+    def for_model(
+        cls, spec: SweepSpec, model_id: str | None = None, *, device: str, load_group: str = "shared"
+    ) -> EngineContext:
+        """The context a runner builds for one model of a spec (the first model when ``model_id`` is None)."""
+        return cls(
+            sweep=spec.name,
+            model=spec.model(model_id) if model_id is not None else spec.models[0],
+            memory=spec.memory,
+            hardware=spec.hardware,
+            workload=spec.workload,
+            slo=spec.slo,
+            device=device,
+            load_group=load_group,
+        )
 
 
 class Engine(ABC):

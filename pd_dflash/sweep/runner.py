@@ -98,16 +98,7 @@ class Runner:
         if not self.device_ok:
             raise DeviceMismatch(f"box {self.info['box']} GPU {self.info['gpu_ids']}: {self.device_note}")
         engine_cls = registry.engine_class(self.spec.engine)
-        ctx = EngineContext(
-            sweep=self.spec.name,
-            model=self.spec.model(model_id),
-            memory=self.spec.memory,
-            hardware=self.spec.hardware,
-            workload=self.spec.workload,
-            slo=self.spec.slo,
-            device=self.info["device"],
-            load_group=load_group,
-        )
+        ctx = EngineContext.for_model(self.spec, model_id, device=self.info["device"], load_group=load_group)
         started = time.perf_counter()
         self.engine = engine_cls(ctx)
         seconds = time.perf_counter() - started

@@ -31,15 +31,7 @@ def make_spec(baselines=("B0", "B3"), concurrency=(1, 4), memory=None, options=N
 
 
 def make_engine(spec):
-    ctx = EngineContext(
-        sweep=spec.name,
-        model=spec.models[0],
-        memory=spec.memory,
-        hardware=spec.hardware,
-        workload=spec.workload,
-        slo=spec.slo,
-        device="cpu",
-    )
+    ctx = EngineContext.for_model(spec, device="cpu")
     return engine_class(spec.engine)(ctx)
 
 

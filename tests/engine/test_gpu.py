@@ -19,15 +19,7 @@ pytestmark = [
 
 def test_cuda_offloaded_equals_resident_and_measures_real_transfers(micro):
     spec = make_spec(concurrency=[1, 4])
-    ctx = EngineContext(
-        sweep=spec.name,
-        model=spec.models[0],
-        memory=spec.memory,
-        hardware=spec.hardware,
-        workload=spec.workload,
-        slo=spec.slo,
-        device="cuda:0",
-    )
+    ctx = EngineContext.for_model(spec, device="cuda:0")
     engine = engine_class("reference")(ctx)
     assert engine.store.parts[engine.store.layer_ids[0]][0].is_pinned()
     rows = {(c.baseline, c.concurrency): Row.from_result(c, engine.run_cell(c)) for c in expand(spec)}
@@ -43,15 +35,7 @@ def test_cuda_offloaded_equals_resident_and_measures_real_transfers(micro):
 
 def test_cuda_emulation_is_rejected():
     spec = make_spec(options={"emulated_h2d_gbps": 1.0})
-    ctx = EngineContext(
-        sweep=spec.name,
-        model=spec.models[0],
-        memory=spec.memory,
-        hardware=spec.hardware,
-        workload=spec.workload,
-        slo=spec.slo,
-        device="cuda:0",
-    )
+    ctx = EngineContext.for_model(spec, device="cuda:0")
     from pd_dflash.errors import InputError
 
     with pytest.raises(InputError, match="emulation"):

@@ -63,16 +63,7 @@ def make_spec(tmp_path: Path, tokenizer: Path, **overrides: Any) -> SweepSpec:
 
 
 def context(spec: SweepSpec, load_group: str = "shared") -> EngineContext:
-    return EngineContext(
-        sweep=spec.name,
-        model=spec.models[0],
-        memory=spec.memory,
-        hardware=spec.hardware,
-        workload=spec.workload,
-        slo=spec.slo,
-        device="cpu",
-        load_group=load_group,
-    )
+    return EngineContext.for_model(spec, device="cpu", load_group=load_group)
 
 
 def cell(spec: SweepSpec, baseline: str, block_size: int | None = None, concurrency: int = 1) -> Cell:

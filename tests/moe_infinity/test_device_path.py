@@ -53,15 +53,7 @@ def test_prompt_file(tmp_path, tokenizer_dir):
 def _cuda_context(spec):
     from pd_dflash.engine.interface import EngineContext
 
-    return EngineContext(
-        sweep=spec.name,
-        model=spec.models[0],
-        memory=spec.memory,
-        hardware=spec.hardware,
-        workload=spec.workload,
-        slo=spec.slo,
-        device="cuda:0",
-    )
+    return EngineContext.for_model(spec, device="cuda:0")
 
 
 def _this_device():
