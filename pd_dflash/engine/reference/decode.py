@@ -117,6 +117,15 @@ class RoundRecord:
     windows: list[tuple[str, float, float]] = field(default_factory=list)
 
 
+@dataclass
+class _Rows:
+    """Where each block's rows sit in a round's concatenated tokens, with their rotary terms and masks."""
+
+    spans: list[tuple[int, int]]
+    rope: tuple[torch.Tensor, torch.Tensor]
+    masks: list[Any]
+
+
 class TargetModel:
     """Drives a transformers MoE causal LM layer by layer over the blocks of a round (gpt-fast spirit)."""
 
@@ -128,6 +137,40 @@ class TargetModel:
         from transformers.cache_utils import DynamicCache
 
         return DynamicCache(config=self.model.config)
+
+    def _embed(self, blocks: Sequence[Block], layers: int) -> tuple[torch.Tensor, _Rows]:
+        """Embeddings of the concatenated block tokens, with each block's span, rotary terms and masks."""
+        base = self.model.model
+        ids = torch.tensor([t for b in blocks for t in b.tokens], device=self.device)[None]
+        spans, start = [], 0
+        for b in blocks:
+            spans.append((start, start + len(b.tokens)))
+            start += len(b.tokens)
+        positions = torch.cat(
+            [torch.arange(b.request.cached, b.request.cached + len(b.tokens)) for b in blocks]
+        ).to(self.device)[None]
+        h = base.embed_tokens(ids)
+        rope = base.rotary_emb(h, positions)
+        masks = [
+            attention_masks(self.model, h[:, s:e], b.request.cache, positions[:, s:e], layers=layers)
+            for b, (s, e) in zip(blocks, spans, strict=True)
+        ]
+        return h, _Rows(spans, rope, masks)
+
+    def _attend(self, i: int, layer: nn.Module, h: torch.Tensor, blocks: Sequence[Block], rows: _Rows):
+        """Layer ``i``'s attention, per request on its own KV cache; returns the residual stream after it."""
+        x = layer.input_layernorm(h)
+        cos, sin = rows.rope
+        attn = [
+            layer.self_attn(
+                hidden_states=x[:, s:e],
+                position_embeddings=(cos[:, s:e], sin[:, s:e]),
+                attention_mask=rows.masks[j][i],
+                cache=b.request.cache,
+            )[0]
+            for j, (b, (s, e)) in enumerate(zip(blocks, rows.spans, strict=True))
+        ]
+        return h + (attn[0] if len(attn) == 1 else torch.cat(attn, dim=1))
 
     @torch.no_grad()
     def forward(
@@ -147,33 +190,10 @@ class TargetModel:
         """
         base = self.model.model
         upto = self.num_layers if layers is None else layers
-        ids = torch.tensor([t for b in blocks for t in b.tokens], device=self.device)[None]
-        spans, start = [], 0
-        for b in blocks:
-            spans.append((start, start + len(b.tokens)))
-            start += len(b.tokens)
-        positions = torch.cat(
-            [torch.arange(b.request.cached, b.request.cached + len(b.tokens)) for b in blocks]
-        ).to(self.device)[None]
-        h = base.embed_tokens(ids)
-        cos, sin = base.rotary_emb(h, positions)
-        masks = [
-            attention_masks(self.model, h[:, s:e], b.request.cache, positions[:, s:e], layers=upto)
-            for b, (s, e) in zip(blocks, spans, strict=True)
-        ]
+        h, rows = self._embed(blocks, upto)
         captured = {0: h} if 0 in capture else {}
         for i, layer in enumerate(base.layers[:upto]):
-            x = layer.input_layernorm(h)
-            attn = [
-                layer.self_attn(
-                    hidden_states=x[:, s:e],
-                    position_embeddings=(cos[:, s:e], sin[:, s:e]),
-                    attention_mask=masks[j][i],
-                    cache=b.request.cache,
-                )[0]
-                for j, (b, (s, e)) in enumerate(zip(blocks, spans, strict=True))
-            ]
-            h = h + (attn[0] if len(attn) == 1 else torch.cat(attn, dim=1))
+            h = self._attend(i, layer, h, blocks, rows)
             mlp_in = layer.post_attention_layernorm(h)
             if gate_inputs is not None:
                 gate_inputs[i] = mlp_in
@@ -184,7 +204,7 @@ class TargetModel:
         if self.num_layers in capture and upto == self.num_layers:
             captured[self.num_layers] = h
         logits = []
-        for b, (s, e) in zip(blocks, spans, strict=True):
+        for b, (s, e) in zip(blocks, rows.spans, strict=True):
             b.request.cached += len(b.tokens)
             logits.append(self.model.lm_head(h[0, s + b.logits_from : e]))
         if self.device.type == "cuda":
@@ -198,32 +218,9 @@ class TargetModel:
         ``layer`` runs its attention only. The KV entries this writes are rolled back (the verify recomputes
         them). Returns ``([1, T, h] gate input, [1, T, h] residual)`` over the concatenated rows."""
         base = self.model.model
-        ids = torch.tensor([t for b in blocks for t in b.tokens], device=self.device)[None]
-        spans, start = [], 0
-        for b in blocks:
-            spans.append((start, start + len(b.tokens)))
-            start += len(b.tokens)
-        positions = torch.cat(
-            [torch.arange(b.request.cached, b.request.cached + len(b.tokens)) for b in blocks]
-        ).to(self.device)[None]
-        h = base.embed_tokens(ids)
-        cos, sin = base.rotary_emb(h, positions)
-        masks = [
-            attention_masks(self.model, h[:, s:e], b.request.cache, positions[:, s:e], layers=layer + 1)
-            for b, (s, e) in zip(blocks, spans, strict=True)
-        ]
+        h, rows = self._embed(blocks, layer + 1)
         for i, dec in enumerate(base.layers[: layer + 1]):
-            x = dec.input_layernorm(h)
-            attn = [
-                dec.self_attn(
-                    hidden_states=x[:, s:e],
-                    position_embeddings=(cos[:, s:e], sin[:, s:e]),
-                    attention_mask=masks[j][i],
-                    cache=b.request.cache,
-                )[0]
-                for j, (b, (s, e)) in enumerate(zip(blocks, spans, strict=True))
-            ]
-            h = h + (attn[0] if len(attn) == 1 else torch.cat(attn, dim=1))
+            h = self._attend(i, dec, h, blocks, rows)
             gate = dec.post_attention_layernorm(h)
             if i < layer:
                 h = h + self.family.mlp(dec.mlp, gate)

@@ -11,12 +11,7 @@ weights whatever the runner's threads), and is published by an atomic rename —
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +26,7 @@ from pd_dflash.engine.reference.drafter_train import (
     train_drafter,
 )
 from pd_dflash.engine.reference.presets import Preset
-from pd_dflash.engine.reference.training import cache_root, code_version, load_preset
+from pd_dflash.engine.reference.training import build_once, cache_root, code_version, load_preset
 
 _CODE_FILES = ("drafter.py", "drafter_train.py", "drafters.py")
 #: Distillation steps per preset (the bounded training budget; ~0.1-0.25 s per step on one shared core).
@@ -44,12 +39,7 @@ TAU_PROMPTS, TAU_PROMPT_TOKENS = 128, 40
 
 
 def drafter_code_version() -> str:
-    here = Path(__file__).parent
-    h = hashlib.sha256()
-    for name in _CODE_FILES:
-        h.update((here / name).read_bytes())
-    h.update(torch.__version__.split("+")[0].encode())
-    return h.hexdigest()[:12]
+    return code_version(_CODE_FILES)
 
 
 def drafter_dir(preset: Preset, seed: int, steps: int, cache_dir: str | None = None) -> Path:
@@ -69,14 +59,7 @@ def load_drafter(
     first use), and its card. ``target`` is the engine's model: same weights as the cached preset."""
     steps = steps or DRAFTER_STEPS.get(preset.name, DEFAULT_DRAFTER_STEPS)
     path = drafter_dir(preset, seed, steps, cache_dir)
-    trained = False
-    if not (path / "card.json").exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.parent / f"{path.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another runner may be training the same drafter
-            if not (path / "card.json").exists():
-                _train_and_publish(preset, seed, steps, path, cache_dir)
-                trained = True
+    trained = build_once(path, lambda tmp: _train_into(preset, seed, steps, tmp, cache_dir))
     card = json.loads((path / "card.json").read_text())
     checkpoint = torch.load(path / "drafter.pt", map_location="cpu", weights_only=True)
     drafter = BlockDrafter.from_checkpoint(checkpoint, SharedTargetParts.from_causal_lm(target))
@@ -85,21 +68,15 @@ def load_drafter(
     return drafter.to(device=param.device, dtype=param.dtype).eval(), card
 
 
-def _train_and_publish(preset: Preset, seed: int, steps: int, path: Path, cache_dir: str | None) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+def _train_into(preset: Preset, seed: int, steps: int, tmp: Path, cache_dir: str | None) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         drafter, card = train(preset, seed, steps, cache_dir)
         torch.save(drafter.to_checkpoint(), tmp / "drafter.pt")
-        (tmp / "card.json").write_text(json.dumps(card, indent=2, sort_keys=True) + "\n")
-        if path.exists():  # a half-written directory from a crashed run (no card.json)
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        return card
     finally:
         torch.set_num_threads(threads)
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def train(preset: Preset, seed: int, steps: int, cache_dir: str | None = None) -> tuple[BlockDrafter, dict]:

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,11 @@ from pd_dflash.engine.reference.presets import Preset, build_config, model_class
 _CODE_FILES = ("training.py", "presets.py", "language.py")
 
 
-def code_version() -> str:
+def code_version(files: tuple[str, ...] = _CODE_FILES) -> str:
+    """Hash of the source files that determine a cached artifact (and torch's version): the cache key part."""
     here = Path(__file__).parent
     h = hashlib.sha256()
-    for name in _CODE_FILES:
+    for name in files:
         h.update((here / name).read_bytes())
     h.update(torch.__version__.split("+")[0].encode())
     return h.hexdigest()[:12]
@@ -47,17 +49,43 @@ def preset_dir(preset: Preset, seed: int, cache_dir: str | None = None) -> Path:
     return cache_root(cache_dir) / "presets" / f"{preset.name}-s{seed}-{code_version()}"
 
 
+def build_once(path: Path, build: Callable[[Path], dict[str, Any]]) -> bool:
+    """Build a cached artifact directory once across processes; True when this call built it.
+
+    Runners on one box may ask for the same preset at once: an fcntl lock serialises them, ``build`` writes the
+    artifact into a temporary directory and returns its card, and the directory is published with an atomic
+    rename. ``card.json``, written last, marks a complete artifact.
+    """
+    if (path / "card.json").exists():
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f"{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "card.json").exists():
+            return False
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            card = build(tmp)
+            (tmp / "card.json").write_text(json.dumps(card, indent=2, sort_keys=True) + "\n")
+            if path.exists():  # a half-written directory from a crashed run (no card.json)
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return True
+
+
 def load_preset(preset: Preset, seed: int = 0, cache_dir: str | None = None) -> tuple[torch.nn.Module, dict]:
     """The trained model (fp32, eval mode, on CPU) and its model card; trains and caches it on first use."""
     target = preset_dir(preset, seed, cache_dir)
-    trained = False
-    if not (target / "card.json").exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target.parent / f"{target.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be training the same preset
-            if not (target / "card.json").exists():
-                _train_and_publish(preset, seed, target)
-                trained = True
+
+    def build(tmp: Path) -> dict[str, Any]:
+        model, card = train(preset, seed)
+        model.save_pretrained(str(tmp))
+        return card
+
+    trained = build_once(target, build)
     card = json.loads((target / "card.json").read_text())
     model = model_class(preset.family).from_pretrained(
         str(target), local_files_only=True, dtype=torch.float32
@@ -65,20 +93,6 @@ def load_preset(preset: Preset, seed: int = 0, cache_dir: str | None = None) -> 
     card["cache_path"] = str(target)
     card["cache_hit"] = not trained
     return model.eval(), card
-
-
-def _train_and_publish(preset: Preset, seed: int, target: Path) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        model, card = train(preset, seed)
-        model.save_pretrained(str(tmp))
-        (tmp / "card.json").write_text(json.dumps(card, indent=2, sort_keys=True) + "\n")
-        if target.exists():  # a half-written directory from a crashed run (no card.json)
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def train(preset: Preset, seed: int = 0) -> tuple[torch.nn.Module, dict[str, Any]]:
