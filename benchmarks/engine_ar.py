@@ -94,7 +94,11 @@ def compare(args) -> dict:
                     "b0_exposed_fetch_fraction": ec["exposed_fetch_fraction"],
                     "b0_prefetch_coverage": b0.route_ahead_prefetch_coverage,
                     "b3_observed_coverage": b3.route_ahead_prefetch_coverage,
-                    "b0_measured_h2d_gbps": (b0.cost_terms.measured_h2d_bytes_per_second or 0) / 1e9,
+                    "b0_measured_h2d_gbps": (
+                        b0.cost_terms.measured_h2d_bytes_per_second / 1e9
+                        if b0.cost_terms and b0.cost_terms.measured_h2d_bytes_per_second
+                        else None
+                    ),
                     "same_tokens": b0.engine["output_digest"] == b3.engine["output_digest"],
                     "b0_cell_seconds": next(s for r, s in rows if r is b0),
                     "b3_cell_seconds": next(s for r, s in rows if r is b3),

@@ -114,34 +114,23 @@ class Runner:
         runner = {**self.info, "cells_served": self.cells_served}
         started_at, wall0, t0 = utc_now(), time.time(), time.perf_counter()
         error_text = None
+        bookkeeping = {
+            "attempt": attempt,
+            "sweep": self.spec.name,
+            "runner": runner,
+            "environment": self.environment,
+            "started_at": started_at,
+        }
         try:
             result = self.engine.run_cell(cell)
             seconds = time.perf_counter() - t0
             result = result.model_copy(update={"engine": {**self.describe, **result.engine}})
-            row = Row.from_result(
-                cell,
-                result,
-                attempt=attempt,
-                sweep=self.spec.name,
-                runner=runner,
-                environment=self.environment,
-                started_at=started_at,
-                finished_at=utc_now(),
-            )
+            row = Row.from_result(cell, result, **bookkeeping, finished_at=utc_now())
         except Exception as exc:
             seconds = time.perf_counter() - t0
             error_text = traceback.format_exc()
-            row = Row.without_metrics(
-                cell,
-                Status.ERROR,
-                _short(f"{type(exc).__name__}: {exc}"),
-                attempt=attempt,
-                sweep=self.spec.name,
-                runner=runner,
-                environment=self.environment,
-                started_at=started_at,
-                finished_at=utc_now(),
-            )
+            reason = _short(f"{type(exc).__name__}: {exc}")
+            row = Row.without_metrics(cell, Status.ERROR, reason, **bookkeeping, finished_at=utc_now())
         return {
             "row": row.to_json_dict(),
             "error": error_text,

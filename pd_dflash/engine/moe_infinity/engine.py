@@ -473,8 +473,9 @@ class MoEInfinityEngine(Engine):
             sources["kv_occupancy_bytes"] = kv_src or ""
 
         exposed = None
-        if exposed_after is not None:
-            exposed = exposed_after if exposed_reset else exposed_after - (exposed_before or 0.0)
+        if exposed_after is not None and (exposed_reset or exposed_before is not None):
+            # Reset before the timed loop, or a delta over it; a counter unreadable before is no delta.
+            exposed = exposed_after if exposed_reset else exposed_after - exposed_before
         else:
             warnings.append(m.ABSENT["exposed_fetch_seconds"])
         if self.h2d is None:
@@ -578,8 +579,8 @@ class MoEInfinityEngine(Engine):
                     sources["wasted_prefetch_bytes"] = "RouteAheadStats.wasted_prefetch_bytes"
         else:
             warnings.append(m.ABSENT["route_ahead_prefetch_coverage"])
-        if wasted is None and wasted_after is not None:
-            wasted = max(wasted_after - (wasted_before or 0.0), 0.0)
+        if wasted is None and wasted_after is not None and wasted_before is not None:
+            wasted = max(wasted_after - wasted_before, 0.0)
             sources["wasted_prefetch_bytes"] = "expert_prefetcher.wasted_prefetch_bytes (timed-loop delta)"
         if wasted is None:
             warnings.append(m.ABSENT["wasted_prefetch_bytes"])
