@@ -29,15 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PD_DFLASH_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "pd-dflash"))
 
+from engine_ar import engine_for  # this directory is on sys.path when run as a script
+
 BASELINES = ("B0", "B1", "B2", "B3", "OURS")
-
-
-def engine_for(spec):
-    from pd_dflash.engine.interface import EngineContext
-    from pd_dflash.engine.registry import engine_class
-
-    ctx = EngineContext.for_model(spec, device="cpu")
-    return engine_class(spec.engine)(ctx)
 
 
 def summarize(row) -> dict:
