@@ -142,8 +142,8 @@ def compare(args) -> dict:
 def measure_training(presets: list[str]) -> list[dict]:
     import torch
 
-    from pd_dflash.engine.reference.presets import get_preset
-    from pd_dflash.engine.reference.training import load_preset
+    from pd_dflash.engine.reference.presets.catalog import get_preset
+    from pd_dflash.engine.reference.presets.training import load_preset
 
     out = []
     for name in presets:

@@ -191,12 +191,12 @@ def measure_proxy(preset_name: str, block_size: int, prompts: int) -> dict:
     """Recall of candidate route-ahead proxies against the verify's routing (greedy drafts after greedy rollouts)."""
     import torch
 
-    from pd_dflash.engine.reference.drafter import gather_features
-    from pd_dflash.engine.reference.drafter_train import target_rollouts
-    from pd_dflash.engine.reference.drafters import load_drafter
+    from pd_dflash.engine.reference.block_drafter import gather_features
     from pd_dflash.engine.reference.families import family_of
-    from pd_dflash.engine.reference.presets import get_preset
-    from pd_dflash.engine.reference.training import load_preset
+    from pd_dflash.engine.reference.presets.catalog import get_preset
+    from pd_dflash.engine.reference.presets.drafter_training import target_rollouts
+    from pd_dflash.engine.reference.presets.drafters import load_drafter
+    from pd_dflash.engine.reference.presets.training import load_preset
 
     torch.set_num_threads(1)
     preset = get_preset(preset_name)

@@ -15,6 +15,9 @@ from pathlib import Path
 from pd_dflash.errors import InputError
 from pd_dflash.schema import Row, parse_row
 
+#: The file name of a sweep's rows inside its results directory (written by the collector, read by report).
+ROWS_FILE = "rows.jsonl"
+
 
 @dataclass(frozen=True)
 class TornTail:

@@ -16,46 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pd_dflash.errors import InputError, format_validation_error
-from pd_dflash.spec import Baseline, Cell
-
-#: Upstream's metric tuple, in upstream order. Units: tok/s, tokens/round, s, s, tok/s, ratio, ratio, bytes,
-#: bytes, bytes.
-REQUIRED_METRICS: tuple[str, ...] = (
-    "output_tokens_per_second",
-    "acceptance_length_a",
-    "ttft_seconds",
-    "per_round_latency_seconds",
-    "goodput_at_slo",
-    "expert_cache_hit_rate",
-    "route_ahead_prefetch_coverage",
-    "wasted_prefetch_bytes",
-    "expert_occupancy_bytes",
-    "kv_occupancy_bytes",
-)
-RATIO_METRICS = frozenset({"expert_cache_hit_rate", "route_ahead_prefetch_coverage"})
-#: Upstream ``RouteAheadStats.as_dict()`` keys, in upstream order (the last three are None without bytes).
-ROUTE_AHEAD_KEYS: tuple[str, ...] = (
-    "steps",
-    "layers_observed",
-    "predicted_experts",
-    "actual_experts",
-    "covered_experts",
-    "kept_experts",
-    "wasted_experts",
-    "coverage",
-    "waste_ratio",
-    "predicted_prefetch_bytes",
-    "kept_prefetch_bytes",
-    "wasted_prefetch_bytes",
-)
-#: Upstream's NVTX range names (push/pop ranges; nsys renders them as ``:name``).
-NVTX_RANGES: tuple[str, ...] = (
-    "dflash_draft",
-    "route_ahead_router",
-    "route_ahead_issue",
-    "target_verify",
-    "expert_h2d",
-)
+from pd_dflash.spec import Cell
+from pd_dflash.upstream import RATIO_METRICS, REQUIRED_METRICS, ROUTE_AHEAD_KEYS, Baseline
 
 
 class Status(str, Enum):

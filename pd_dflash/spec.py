@@ -18,25 +18,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pd_dflash.errors import InputError, format_validation_error
+from pd_dflash.upstream import (
+    BLOCK_INDEPENDENT_BASELINES,
+    OFFLOAD_RATIO_LIMIT,
+    OFFLOADED_BASELINES,
+    REQUIRED_METRICS,
+    SPECULATIVE_BASELINES,
+    Baseline,
+)
 
-Baseline = Literal["B0", "B1", "B2", "B3", "OURS"]
-BASELINE_ORDER: tuple[str, ...] = ("B0", "B1", "B2", "B3", "OURS")
-#: Upstream's description strings (research/upstream-phase-a.md §1), kept verbatim.
-BASELINE_DESCRIPTIONS: dict[str, str] = {
-    "B0": "AR MoE on MoE-Infinity, offloaded, no speculative decoding",
-    "B1": "DFlash with unchanged AR prefetcher",
-    "B2": "DFlash with token-deficit scheduler and no expert-byte coupling",
-    "B3": "target experts resident, no offload upper bound",
-    "OURS": "DFlash with route-ahead prefetch and the 2-D co-designed scheduler",
-}
-#: Baselines that must really be offloaded (upstream refuses them when nothing is offloaded).
-OFFLOADED_BASELINES = frozenset({"B0", "B1", "B2", "OURS"})
-#: Baselines that decode speculatively with a block of B tokens.
-SPECULATIVE_BASELINES = frozenset({"B1", "B2", "OURS"})
-#: Baselines whose measurement does not depend on the block size: measured once per (model, c, repeat).
-BLOCK_INDEPENDENT_BASELINES = frozenset({"B0", "B3"})
-#: Upstream refuses an offloaded ratio at or above this: the model would not offload.
-OFFLOAD_RATIO_LIMIT = 0.9
 #: Built-in engines; a custom engine is named ``package.module:ClassName``.
 BUILTIN_ENGINES = ("reference", "moe_infinity")
 _CUSTOM_ENGINE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -150,8 +140,6 @@ class Gates(_Strict):
     @field_validator("allow_unmeasured")
     @classmethod
     def _known_metrics(cls, v: list[str]) -> list[str]:
-        from pd_dflash.schema import REQUIRED_METRICS
-
         for m in v:
             if m not in REQUIRED_METRICS:
                 raise ValueError(f"unknown metric {m!r}; use names from REQUIRED_METRICS")

@@ -11,8 +11,25 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from pd_dflash.schema import EngineResult
+from pd_dflash.schema import BLOCKED_STATUSES, EngineResult, Status
 from pd_dflash.spec import SLO, Cell, Hardware, Memory, ModelSpec, SweepSpec, Workload
+
+
+class Refused(Exception):
+    """A configuration the engine must not run, raised anywhere inside an engine.
+
+    The runner turns it into one row with this ``status`` (REFUSED, BLOCKED_*, UNAVAILABLE_CAPACITY) and
+    ``reason``; an engine never builds that row itself.
+    """
+
+    def __init__(self, status: Status, reason: str) -> None:
+        if status not in BLOCKED_STATUSES:
+            raise ValueError(
+                f"Refused needs a no-metric status ({', '.join(sorted(BLOCKED_STATUSES))}), got {status}"
+            )
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
 
 
 class EngineContext(BaseModel):
@@ -56,8 +73,8 @@ class Engine(ABC):
 
     @abstractmethod
     def run_cell(self, cell: Cell) -> EngineResult:
-        """Measure one cell. Raise for a genuine failure (the runner records an ERROR row); return a
-        REFUSED/BLOCKED result for a configuration the engine must not run, with the reason."""
+        """Measure one cell. Raise :class:`Refused` for a configuration the engine must not run (the runner
+        stores a row with its status and reason); any other exception is a genuine failure (an ERROR row)."""
 
     def describe(self) -> dict[str, Any]:
         """Facts about the loaded engine and model, merged into every row's ``engine`` field."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from pd_dflash.schema import NVTX_RANGES
+from pd_dflash.upstream import NVTX_RANGES
 
 try:
     import nvtx as _nvtx

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pd_dflash.schema import ROUTE_AHEAD_KEYS
+from pd_dflash.upstream import ROUTE_AHEAD_KEYS
 
 RoutedKind = Literal["auto", "mask", "ids"]
 

@@ -19,7 +19,7 @@ in-flight set only shrinks until its members finish; once none is seated, each s
 carried by the full budget (carried' = min(budget + carried, cap)), so within ⌈cap/budget⌉ steps carried = cap
 ≥ w and pool = budget + cap ≥ w. Hence a demand larger than the per-step budget still progresses, and the wait
 of the k-th waiting demand is at most k · (R + ⌈cap/budget⌉ + 1) steps, where R bounds how many steps an
-in-flight request stays in flight (``tests/engine_components/test_scheduling.py`` checks this bound).
+in-flight request stays in flight (``tests/engine/test_scheduling.py`` checks this bound).
 
 Pure Python: the decode loop builds ``VerifyDemand`` objects and calls ``step`` once per scheduling step.
 """

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pd_dflash.engine import registry
 from pd_dflash.errors import InputError
+from pd_dflash.rows import ROWS_FILE
 from pd_dflash.schema import FAILED_STATUSES, Row, Status
 from pd_dflash.spec import SweepSpec, expand
 from pd_dflash.sweep import preflight
@@ -42,7 +43,6 @@ from pd_dflash.sweep.progress import Progress, format_duration
 from pd_dflash.sweep.runner import DeviceMismatch, RunnerActor
 from pd_dflash.sweep.scheduler import Estimator, LoadKey, Scheduler, Task, load_key
 from pd_dflash.sweep.store import (
-    ROWS_FILE,
     Mode,
     StoredCell,
     cells_to_run,

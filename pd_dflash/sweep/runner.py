@@ -18,8 +18,8 @@ from typing import Any
 import ray
 
 from pd_dflash.engine import registry
-from pd_dflash.engine.interface import EngineContext
-from pd_dflash.schema import Row, Status
+from pd_dflash.engine.interface import EngineContext, Refused
+from pd_dflash.schema import EngineResult, Row, Status
 from pd_dflash.spec import Cell, Hardware, SweepSpec
 from pd_dflash.sweep.manifest import environment_manifest
 from pd_dflash.sweep.store import utc_now
@@ -122,7 +122,10 @@ class Runner:
             "started_at": started_at,
         }
         try:
-            result = self.engine.run_cell(cell)
+            try:
+                result = self.engine.run_cell(cell)
+            except Refused as refusal:  # the one place a refusal becomes a row
+                result = EngineResult(status=refusal.status, reason=refusal.reason)
             seconds = time.perf_counter() - t0
             result = result.model_copy(update={"engine": {**self.describe, **result.engine}})
             row = Row.from_result(cell, result, **bookkeeping, finished_at=utc_now())

@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from pd_dflash.errors import InputError
-from pd_dflash.rows import append_row, read_rows, repair_torn_tail, write_atomic
+from pd_dflash.rows import ROWS_FILE, append_row, read_rows, repair_torn_tail, write_atomic
 from pd_dflash.schema import FINAL_STATUSES, Row, Status
 from pd_dflash.spec import Cell, SweepSpec, expand
 
-ROWS_FILE = "rows.jsonl"
 SWEEP_FILE = "sweep.json"
 ERRORS_DIR = "errors"
 ARCHIVE_DIR = "archive"

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from pd_dflash.schema import MEASURED_STATUSES, REQUIRED_METRICS, Status, parse_row
+from pd_dflash.schema import MEASURED_STATUSES, Status, parse_row
 from pd_dflash.spec import expand, parse_spec
+from pd_dflash.upstream import REQUIRED_METRICS
 from tests.sweep.helpers import run_cli, stored_rows, write_spec
 
 pytestmark = [

@@ -42,8 +42,9 @@ from pd_dflash.engine.moe_infinity.options import MoEInfinityOptions
 from pd_dflash.engine.moe_infinity.prompts import build_prompts
 from pd_dflash.engine.moe_infinity.serving import drive, record_rounds, track_kv_peak
 from pd_dflash.errors import InputError
-from pd_dflash.schema import ROUTE_AHEAD_KEYS, CostTerms, EngineResult, Status
+from pd_dflash.schema import CostTerms, EngineResult, Status
 from pd_dflash.spec import Cell
+from pd_dflash.upstream import ROUTE_AHEAD_KEYS
 
 #: Upstream's "unbounded" expert-byte budget for B2 (its value was not visible; any bound above M works).
 B2_UNBOUNDED_EXPERT_BYTES = 1 << 62

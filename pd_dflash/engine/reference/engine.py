@@ -32,7 +32,6 @@ from pd_dflash.engine.reference.decode import (
     TargetModel,
     run_requests,
 )
-from pd_dflash.engine.reference.drafters import load_drafter
 from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.link import CudaLink, HostLink
 from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts, assemble
@@ -40,7 +39,8 @@ from pd_dflash.engine.reference.models import load_model, make_prompts
 from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
 from pd_dflash.engine.reference.options import ReferenceOptions
 from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
-from pd_dflash.engine.reference.presets import get_preset
+from pd_dflash.engine.reference.presets.catalog import get_preset
+from pd_dflash.engine.reference.presets.drafters import load_drafter
 from pd_dflash.engine.reference.route_prefetch import RouteAheadPrefetcher
 from pd_dflash.engine.reference.speculative import BlockDrafterSource, EarlyExitDrafter, SpeculativeDecoding
 from pd_dflash.engine.scheduling import TokenDeficitScheduler, TwoDimDeficitScheduler

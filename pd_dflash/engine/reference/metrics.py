@@ -19,8 +19,9 @@ from typing import Any
 from pd_dflash.costmodel import bm1_summary, evaluate_hide_inequality
 from pd_dflash.engine.reference.decode import Request, RoundRecord
 from pd_dflash.engine.reference.offload import OffloadRuntime
-from pd_dflash.schema import REQUIRED_METRICS, CostTerms, EngineResult, LatencyStats, Status
+from pd_dflash.schema import CostTerms, EngineResult, LatencyStats, Status
 from pd_dflash.spec import SLO
+from pd_dflash.upstream import REQUIRED_METRICS
 
 
 @dataclass

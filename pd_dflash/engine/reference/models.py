@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from pd_dflash.engine.reference.families import MoEFamily, family_of
-from pd_dflash.engine.reference.language import SyntheticLanguage
-from pd_dflash.engine.reference.presets import PRESETS, get_preset
-from pd_dflash.engine.reference.training import load_preset
+from pd_dflash.engine.reference.presets.catalog import PRESETS, get_preset
+from pd_dflash.engine.reference.presets.language import SyntheticLanguage
+from pd_dflash.engine.reference.presets.training import load_preset
 from pd_dflash.errors import InputError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -4,7 +4,7 @@ and the rejected rows are rolled back out of the request's KV cache (``cache.cro
 
 Two drafters:
 
-- ``BlockDrafterSource``: the DFlash-style block drafter (``drafter.py``). ONE drafter forward proposes the
+- ``BlockDrafterSource``: the DFlash-style block drafter (``block_drafter.py``). ONE drafter forward proposes the
   whole block for every request of the step, conditioned on the target's features at the request's last
   committed positions (a rolling buffer filled from the verify forward's captured hidden states). It runs
   resident: it is small and dense and owns no routed expert.
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pd_dflash.engine.reference.block_drafter import BlockDrafter
 from pd_dflash.engine.reference.decode import Block, Commit, Request, TargetModel, next_token
-from pd_dflash.engine.reference.drafter import BlockDrafter
 from pd_dflash.engine.reference.sampling import greedy_accept, probabilities, sample, speculative_sample
 
 

@@ -1,0 +1,234 @@
+"""Train a preset deterministically on its synthetic language, cache it on disk, and write its model card.
+
+The cache key is preset + seed + a hash of the code that defines the weights (this module, the preset table
+and the language), so a code change retrains and a rerun reuses. Two runner processes may load the same preset
+at once: training happens under an ``fcntl`` lock and the result is published with an atomic rename.
+Training always uses ONE thread: the weights are then bit-identical whatever the runner's thread count.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pd_dflash.engine.reference.families import family_of
+from pd_dflash.engine.reference.presets.catalog import Preset, build_config, model_class
+
+#: Paths relative to ``engine/reference/``.
+_CODE_FILES = ("presets/training.py", "presets/catalog.py", "presets/language.py")
+
+
+def code_version(files: tuple[str, ...] = _CODE_FILES) -> str:
+    """Hash of the source files that determine a cached artifact (and torch's version): the cache key part."""
+    here = Path(__file__).parents[1]
+    h = hashlib.sha256()
+    for name in files:
+        h.update((here / name).read_bytes())
+    h.update(torch.__version__.split("+")[0].encode())
+    return h.hexdigest()[:12]
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """engine_options.cache_dir, else $PD_DFLASH_CACHE, else ~/.cache/pd-dflash."""
+    root = cache_dir or os.environ.get("PD_DFLASH_CACHE") or str(Path.home() / ".cache" / "pd-dflash")
+    return Path(root).expanduser()
+
+
+def preset_dir(preset: Preset, seed: int, cache_dir: str | None = None) -> Path:
+    return cache_root(cache_dir) / "presets" / f"{preset.name}-s{seed}-{code_version()}"
+
+
+def build_once(path: Path, build: Callable[[Path], dict[str, Any]]) -> bool:
+    """Build a cached artifact directory once across processes; True when this call built it.
+
+    Runners on one box may ask for the same preset at once: an fcntl lock serialises them, ``build`` writes the
+    artifact into a temporary directory and returns its card, and the directory is published with an atomic
+    rename. ``card.json``, written last, marks a complete artifact.
+    """
+    if (path / "card.json").exists():
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f"{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "card.json").exists():
+            return False
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            card = build(tmp)
+            (tmp / "card.json").write_text(json.dumps(card, indent=2, sort_keys=True) + "\n")
+            if path.exists():  # a half-written directory from a crashed run (no card.json)
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return True
+
+
+def load_preset(preset: Preset, seed: int = 0, cache_dir: str | None = None) -> tuple[torch.nn.Module, dict]:
+    """The trained model (fp32, eval mode, on CPU) and its model card; trains and caches it on first use."""
+    target = preset_dir(preset, seed, cache_dir)
+
+    def build(tmp: Path) -> dict[str, Any]:
+        model, card = train(preset, seed)
+        model.save_pretrained(str(tmp))
+        return card
+
+    trained = build_once(target, build)
+    card = json.loads((target / "card.json").read_text())
+    model = model_class(preset.family).from_pretrained(
+        str(target), local_files_only=True, dtype=torch.float32
+    )
+    card["cache_path"] = str(target)
+    card["cache_hit"] = not trained
+    return model.eval(), card
+
+
+def train(preset: Preset, seed: int = 0) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Train for exactly ``preset.train_steps`` AdamW steps (warm-up + cosine), single-threaded, seeded."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(preset, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(preset: Preset, seed: int) -> tuple[torch.nn.Module, dict[str, Any]]:
+    lang = preset.language
+    config = build_config(preset)
+    config.output_router_logits = preset.router_aux_loss_coef > 0  # adds the load-balancing loss
+    torch.manual_seed(seed)
+    model = model_class(preset.family)(config)
+    model.set_experts_implementation("grouped_mm")  # fastest on CPU for training (engine-anchors.md §3.3)
+    model.train()
+    steps, batch = preset.train_steps, preset.batch
+    data = torch.from_numpy(lang.sample(steps * batch, preset.seq_len, seed=[seed, 1]))
+    opt = torch.optim.AdamW(model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def lr_factor(step: int) -> float:
+        warm = min(1.0, (step + 1) / max(1, preset.warmup_steps))
+        return warm * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    start = time.perf_counter()
+    losses = []
+    for step in range(steps):
+        x = data[step * batch : (step + 1) * batch]
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        losses.append(out.loss.item())
+    seconds = time.perf_counter() - start
+    model.config.output_router_logits = False
+    model.eval()
+    card = {
+        "preset": preset.name,
+        "family": preset.family,
+        "mirrors": preset.mirrors,
+        "seed": seed,
+        "code_version": code_version(),
+        "train": {
+            "steps": steps,
+            "batch": batch,
+            "seq_len": preset.seq_len,
+            "lr": preset.lr,
+            "seconds": seconds,
+            "threads": 1,
+            "final_train_loss": float(np.mean(losses[-10:])),
+            "torch": torch.__version__,
+        },
+        "language": lang.model_dump(),
+        **evaluate(model, preset, seed),
+    }
+    return model, card
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, preset: Preset, seed: int = 0) -> dict[str, Any]:
+    """Held-out loss against the uniform and entropy-floor references, sizes, and routing statistics."""
+    lang = preset.language
+    x = torch.from_numpy(lang.sample(64, preset.seq_len, seed=[seed, 2]))
+    routed: dict[int, torch.Tensor] = {}
+    family = family_of(model.config)
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        router = getattr(layer.mlp, family.router_attr)
+
+        def hook(_mod, _inp, out, i=i):
+            routed[i] = out[2].reshape(
+                x.shape[0], x.shape[1], -1
+            )  # router_indices; returning None is required
+
+        hooks.append(router.register_forward_hook(hook))
+    try:
+        logits = model(input_ids=x).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    ce = torch.nn.functional.cross_entropy(logits[:, 1:-1].reshape(-1, lang.vocab_size), x[:, 2:].reshape(-1))
+    loss, floor, uniform = float(ce), lang.entropy_floor_nats(), lang.uniform_nats()
+    experts = preset.experts
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return {
+        "loss": {
+            "eval_nats": loss,
+            "entropy_floor_nats": floor,
+            "uniform_nats": uniform,
+            "gap_to_floor_nats": loss - floor,
+            "fraction_of_gap_closed": (uniform - loss) / (uniform - floor),
+        },
+        "sizes": {
+            "params": sum(p.numel() for p in model.parameters()),
+            "expert_params": expert_params,
+            "experts_per_layer": experts,
+            "top_k": preset.top_k,
+            "layers": preset.layers,
+            "fp32_bytes_per_expert": expert_params * 4 // (experts * preset.layers),
+        },
+        "routing": routing_stats(routed, experts, preset.top_k),
+    }
+
+
+def routing_stats(routed: dict[int, torch.Tensor], experts: int, top_k: int) -> dict[str, Any]:
+    """Skew and correlation of routing ([seqs, tokens, k] expert ids per layer).
+
+    - usage_entropy_fraction: entropy of the expert-usage distribution over all tokens / log(E) (1 = uniform);
+    - per_sequence_union_fraction: experts a sequence touches / E, against the fraction uniform routing of the
+      same number of tokens would touch (correlation within a request);
+    - reuse_next_token: P(an expert of token t is also an expert of token t+1), against k/E for independence.
+    """
+    ent, union, union_uniform, reuse = [], [], [], []
+    for ids in routed.values():
+        seqs, tokens, _ = ids.shape
+        counts = torch.bincount(ids.reshape(-1), minlength=experts).double()
+        p = counts / counts.sum()
+        ent.append(float(-(p[p > 0] * p[p > 0].log()).sum() / math.log(experts)))
+        onehot = torch.zeros(seqs, tokens, experts, dtype=torch.bool)
+        onehot.scatter_(2, ids, True)
+        union.append(float(onehot.any(dim=1).double().mean()))
+        union_uniform.append(1 - (1 - top_k / experts) ** tokens)
+        shared = (onehot[:, 1:] & onehot[:, :-1]).sum(dim=2).double()
+        reuse.append(float(shared.mean() / top_k))
+    return {
+        "usage_entropy_fraction": float(np.mean(ent)),
+        "per_sequence_union_fraction": float(np.mean(union)),
+        "per_sequence_union_fraction_if_uniform": float(np.mean(union_uniform)),
+        "reuse_next_token": float(np.mean(reuse)),
+        "reuse_next_token_if_independent": top_k / experts,
+    }

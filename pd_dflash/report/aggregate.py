@@ -1,0 +1,389 @@
+"""Aggregation: place rows in their ``model|B{b}|c{c}`` groups, refuse duplicates, average the repeats.
+
+Upstream keyed a group on (model, B, c) and could hold one row per baseline, so repeats could not be
+aggregated. Here every (group, baseline) holds its repeats; OK and PARTIAL repeats are averaged with pandas
+(mean, sample standard deviation, n, Student-t 95% interval) into one upstream-shaped row, and the raw repeats
+stay in it. B0/B3 rows measured once for several block sizes (``block_sizes_covered``) fill every group they
+cover. Definitions: docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import pandas as pd
+
+from pd_dflash.costmodel import evaluate_hide_inequality
+from pd_dflash.errors import InputError
+from pd_dflash.schema import FINAL_STATUSES, MEASURED_STATUSES, Row, Status
+from pd_dflash.upstream import BASELINE_ORDER, RATIO_METRICS, REQUIRED_METRICS
+
+#: Terms of the hide inequality a row stores (inputs of costmodel.evaluate_hide_inequality).
+HIDE_TERMS: tuple[str, ...] = (
+    "resident_fraction",
+    "saturation",
+    "total_expert_bytes",
+    "measured_h2d_bytes_per_second",
+    "draft_seconds",
+    "router_seconds",
+    "overlap_seconds",
+)
+#: Numeric row fields averaged over repeats besides the ten metrics (dotted = nested field).
+EXTRA_COLUMNS: tuple[str, ...] = (
+    "t_draft_seconds",
+    "t_router_seconds",
+    "t_verify_seconds",
+    "route_ahead.waste_ratio",
+    *(f"hide_inequality.{t}" for t in HIDE_TERMS),
+    "hide_inequality.fetch_seconds",
+    "hide_inequality.hide_window_seconds",
+    "hide_inequality.margin_seconds",
+    "latency.ttft_seconds.p50",
+    "latency.ttft_seconds.p99",
+    "latency.tpot_seconds.p50",
+    "latency.tpot_seconds.p99",
+    "cost_terms.measured_h2d_bytes_per_second",
+    "cost_terms.h2d_bytes",
+    "cost_terms.h2d_seconds",
+    "cost_terms.exposed_fetch_seconds",
+)
+NUMERIC_COLUMNS: tuple[str, ...] = (*REQUIRED_METRICS, *EXTRA_COLUMNS)
+#: Relative tolerance when comparing a row's stored hide-inequality results with the recomputed ones.
+HIDE_REL_TOL = 1e-6
+
+
+def group_key(model: str, block_size: int, concurrency: int) -> str:
+    """Upstream's printed group key, e.g. ``openai/gpt-oss-20b|B16|c8``."""
+    return f"{model}|B{int(block_size)}|c{int(concurrency)}"
+
+
+# -- Student t ------------------------------------------------------------------------------------------
+
+
+def _t_two_sided_cdf(t: float, df: int) -> float:
+    """P(|T| ≤ t) for Student's t with integer ``df`` (Abramowitz & Stegun 26.7.3/26.7.4, exact sums)."""
+    theta = math.atan(t / math.sqrt(df))
+    c2 = math.cos(theta) ** 2
+    if df % 2 == 1:
+        if df == 1:
+            return 2.0 / math.pi * theta
+        term = total = math.cos(theta)
+        for k in range(1, (df - 3) // 2 + 1):
+            term *= c2 * (2 * k) / (2 * k + 1)
+            total += term
+        return 2.0 / math.pi * (theta + math.sin(theta) * total)
+    term = total = 1.0
+    for k in range(1, (df - 2) // 2 + 1):
+        term *= c2 * (2 * k - 1) / (2 * k)
+        total += term
+    return math.sin(theta) * total
+
+
+@lru_cache(maxsize=256)
+def t_quantile_975(df: int) -> float:
+    """The two-sided 95% critical value of Student's t (e.g. 12.706 for df=1, 1.984 for df=100)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    lo, hi = 0.0, 1000.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if _t_two_sided_cdf(mid, df) < 0.95:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-12:
+            break
+    return (lo + hi) / 2
+
+
+def summary_stats(
+    mean: float, std: float | None, n: int, *, lower: float | None = 0.0, upper: float | None = None
+) -> dict[str, Any]:
+    """{mean, std, n, ci95_low, ci95_high}: mean ± t(0.975, n−1)·std/√n, clipped to the column's range.
+
+    std (sample, ddof=1) and the interval are None for n < 2.
+    """
+    if n < 2 or std is None or not math.isfinite(std):
+        return {"mean": mean, "std": None, "n": n, "ci95_low": None, "ci95_high": None}
+    half = t_quantile_975(n - 1) * std / math.sqrt(n)
+    low, high = mean - half, mean + half
+    if lower is not None:
+        low = max(lower, low)
+    if upper is not None:
+        high = min(upper, high)
+    return {"mean": mean, "std": std, "n": n, "ci95_low": low, "ci95_high": high}
+
+
+# -- placement ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One row as it appears in one group (a B0/B3 row covering [8, 16] is placed twice)."""
+
+    row: Row
+    data: dict[str, Any]
+    source: str
+    #: The group's block size (the row's own ``block_size`` unless the row is shared).
+    block_size: int
+    #: Block sizes the row stands for when it covers more than one, else ().
+    shared: tuple[int, ...]
+    #: The row's hide inequality recomputed from its stored terms, and a mismatch text if they disagree.
+    hide: dict[str, Any] | None
+    hide_mismatch: str | None
+
+    @property
+    def measured(self) -> bool:
+        return self.row.status in MEASURED_STATUSES
+
+
+@dataclass
+class Group:
+    model: str
+    block_size: int
+    concurrency: int
+    #: baseline -> its repeats, sorted by repeat.
+    by_baseline: dict[str, list[Placed]] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return group_key(self.model, self.block_size, self.concurrency)
+
+
+@dataclass
+class Matrix:
+    """Everything the gates and renderers need: groups, per-(group, baseline) stats and aggregated rows."""
+
+    groups: dict[str, Group]
+    #: (group key, baseline) -> column -> summary_stats(...) over the measured repeats.
+    stats: dict[tuple[str, str], dict[str, dict[str, Any]]]
+    #: group key -> baseline -> aggregated, upstream-shaped row (the content of result_matrix.json).
+    rows: dict[str, dict[str, dict[str, Any]]]
+    #: Failed rows (ERROR/TIMEOUT) replaced by a later row of the same identity: (old source, new source).
+    superseded: list[tuple[str, str]]
+    n_input_rows: int
+
+    def mean(self, key: str, baseline: str, column: str) -> float | None:
+        found = self.stats.get((key, baseline), {}).get(column)
+        return None if found is None else found["mean"]
+
+
+def _recompute_hide(row: Row) -> tuple[dict[str, Any] | None, str | None]:
+    stored = row.hide_inequality
+    if stored is None:
+        return None, None
+    try:
+        fresh = evaluate_hide_inequality(**{t: getattr(stored, t) for t in HIDE_TERMS})
+    except ValueError as exc:
+        return None, f"hide_inequality terms are invalid: {exc}"
+    problems = []
+    for name in ("fetch_seconds", "hide_window_seconds", "margin_seconds"):
+        a, b = getattr(stored, name), getattr(fresh, name)
+        if not math.isclose(a, b, rel_tol=HIDE_REL_TOL, abs_tol=1e-12):
+            problems.append(f"{name} stored {a:.6g}, recomputed {b:.6g}")
+    if stored.hidden != fresh.hidden:
+        problems.append(f"hidden stored {stored.hidden}, recomputed {fresh.hidden}")
+    return fresh.model_dump(), ("; ".join(problems) or None)
+
+
+def _describe(row: Row) -> str:
+    return (
+        f"(model={row.model}, baseline={row.baseline}, block_size={row.block_size}, "
+        f"concurrency={row.concurrency}, repeat={row.repeat})"
+    )
+
+
+def place_rows(rows: Sequence[Row], sources: Sequence[str] | None = None) -> tuple[list[Placed], list]:
+    """Every row in each group it fills. Duplicate identities are an InputError naming both sources.
+
+    One exception, so a sweep's ``rows.jsonl`` after ``--retry-errors`` reads cleanly: an ERROR/TIMEOUT row
+    followed (later in the input) by a row of the same identity is superseded by it, and the report lists it.
+    """
+    if sources is None:
+        sources = [f"row {i + 1}" + (f" (cell {r.cell_id})" if r.cell_id else "") for i, r in enumerate(rows)]
+    by_identity: dict[tuple, int] = {}
+    kept: list[int | None] = []
+    superseded: list[tuple[str, str]] = []
+    for i, row in enumerate(rows):
+        ident = row.identity
+        j = by_identity.get(ident)
+        if j is not None:
+            if rows[j].status not in FINAL_STATUSES:
+                superseded.append((sources[j], sources[i]))
+                kept[j] = None
+            else:
+                raise InputError(f"duplicate identity {_describe(row)}: {sources[j]} and {sources[i]}")
+        by_identity[ident] = i
+        kept.append(i)
+
+    placed: list[Placed] = []
+    seen: dict[tuple, str] = {}
+    for i in (k for k in kept if k is not None):
+        row = rows[i]
+        covered = tuple(sorted(set(row.block_sizes_covered or [row.block_size])))
+        if row.block_size not in covered:
+            raise InputError(
+                f"block_sizes_covered {list(covered)} does not include the row's block_size {row.block_size}",
+                where=sources[i],
+            )
+        data = row.to_json_dict()
+        hide, mismatch = _recompute_hide(row)
+        shared = covered if len(covered) > 1 else ()
+        here = sources[i] + (
+            f" (row at block_size {row.block_size} shared across {list(covered)})" if shared else ""
+        )
+        for b in covered:
+            slot = (row.model, row.baseline, b, row.concurrency, row.repeat)
+            if slot in seen:
+                raise InputError(
+                    f"duplicate identity (model={row.model}, baseline={row.baseline}, block_size={b}, "
+                    f"concurrency={row.concurrency}, repeat={row.repeat}): {seen[slot]} and {here}"
+                )
+            seen[slot] = here
+            placed.append(Placed(row, data, sources[i], b, shared, hide, mismatch))
+    return placed, superseded
+
+
+# -- aggregation ----------------------------------------------------------------------------------------
+
+
+def _dig(data: dict[str, Any], dotted: str) -> Any:
+    value: Any = data
+    for part in dotted.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
+def _record(p: Placed, key: str) -> dict[str, Any]:
+    rec: dict[str, Any] = {"key": key, "baseline": p.row.baseline}
+    for col in NUMERIC_COLUMNS:
+        if col.startswith("hide_inequality."):
+            value = None if p.hide is None else p.hide.get(col.split(".", 1)[1])
+        else:
+            value = _dig(p.data, col)
+        rec[col] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return rec
+
+
+def _merge_cost_terms(repeats: list[Placed]) -> dict[str, Any] | None:
+    """Numeric keys: mean over the repeats that carry them; text keys: kept when every repeat agrees."""
+    values: dict[str, list[Any]] = {}
+    for p in repeats:
+        for k, v in (p.data.get("cost_terms") or {}).items():
+            if v is not None:
+                values.setdefault(k, []).append(v)
+    merged: dict[str, Any] = {}
+    for k, vs in values.items():
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs):
+            merged[k] = sum(vs) / len(vs)
+        elif len({str(v) for v in vs}) == 1:
+            merged[k] = vs[0]
+        else:
+            merged[k] = "mixed: " + ", ".join(sorted({str(v) for v in vs}))
+    return merged or None
+
+
+def _aggregated_row(group: Group, baseline: str, repeats: list[Placed], stats: dict[str, dict]) -> dict:
+    first = repeats[0]
+    measured = [p for p in repeats if p.measured]
+    drafts = sorted({p.row.draft for p in repeats})
+    out: dict[str, Any] = {
+        "model": group.model,
+        "draft": drafts[0] if len(drafts) == 1 else " | ".join(drafts),
+        "baseline": baseline,
+        "block_size": group.block_size,
+        "concurrency": group.concurrency,
+        "repeats_aggregated": [p.row.repeat for p in measured],
+        "n_repeats": len(measured),
+    }
+    if measured:
+        for m in REQUIRED_METRICS:
+            if m in stats:
+                out[m] = stats[m]["mean"]
+        complete = all(m in out for m in REQUIRED_METRICS)
+        out["status"] = Status.OK.value if complete else Status.PARTIAL.value
+        for t in ("t_draft_seconds", "t_router_seconds", "t_verify_seconds"):
+            if t in stats:
+                out[t] = stats[t]["mean"]
+        cost_terms = _merge_cost_terms(measured)
+        if cost_terms:
+            out["cost_terms"] = cost_terms
+        out["aggregate"] = stats
+    else:
+        out["status"] = first.row.status.value
+        reasons = sorted({p.row.reason for p in repeats if p.row.reason})
+        if reasons:
+            out["reason"] = "; ".join(reasons)
+    warnings: list[str] = []
+    for p in repeats:
+        warnings.extend(w for w in p.row.warnings if w not in warnings)
+    if warnings:
+        out["warnings"] = warnings
+    if any(p.row.status != Status.OK for p in repeats):
+        out["repeat_statuses"] = {str(p.row.repeat): p.row.status.value for p in repeats}
+    if first.shared:
+        out["shared_across_block_sizes"] = list(first.shared)
+        out["measured_at_block_size"] = first.row.block_size
+    out["repeats"] = [p.data for p in repeats]
+    return out
+
+
+def build_matrix(rows: Sequence[Row], sources: Sequence[str] | None = None) -> Matrix:
+    """Group, check and aggregate rows (raises InputError on duplicates). Fast enough to run every N rows."""
+    placed, superseded = place_rows(rows, sources)
+    groups: dict[tuple[str, int, int], Group] = {}
+    for p in placed:
+        gid = (p.row.model, p.block_size, p.row.concurrency)
+        group = groups.setdefault(gid, Group(*gid))
+        group.by_baseline.setdefault(p.row.baseline, []).append(p)
+    ordered = {g.key: g for _, g in sorted(groups.items())}
+    rank = {b: i for i, b in enumerate(BASELINE_ORDER)}
+    for g in ordered.values():
+        g.by_baseline = {
+            b: sorted(ps, key=lambda p: p.row.repeat)
+            for b, ps in sorted(g.by_baseline.items(), key=lambda kv: rank[kv[0]])
+        }
+
+    stats = _stats(
+        [
+            _record(p, key)
+            for key, g in ordered.items()
+            for ps in g.by_baseline.values()
+            for p in ps
+            if p.measured
+        ]
+    )
+    matrix_rows = {
+        key: {b: _aggregated_row(g, b, ps, stats.get((key, b), {})) for b, ps in g.by_baseline.items()}
+        for key, g in ordered.items()
+    }
+    return Matrix(ordered, stats, matrix_rows, superseded, len(rows))
+
+
+def _stats(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, dict[str, Any]]]:
+    """pandas groupby over the measured repeats: mean, std (ddof=1), count → summary_stats per column."""
+    if not records:
+        return {}
+    frame = pd.DataFrame.from_records(records, columns=["key", "baseline", *NUMERIC_COLUMNS])
+    values = frame[list(NUMERIC_COLUMNS)].astype("float64")
+    values.insert(0, "baseline", frame["baseline"])
+    values.insert(0, "key", frame["key"])
+    agg = values.groupby(["key", "baseline"], sort=False).agg(["mean", "std", "count"])
+    out: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for (key, baseline), line in zip(agg.index, agg.itertuples(index=False, name=None), strict=True):
+        per: dict[str, dict[str, Any]] = {}
+        for i, col in enumerate(NUMERIC_COLUMNS):
+            mean, std, n = line[3 * i], line[3 * i + 1], int(line[3 * i + 2])
+            if n == 0:
+                continue
+            upper = 1.0 if col in RATIO_METRICS or col == "route_ahead.waste_ratio" else None
+            lower = None if col == "hide_inequality.margin_seconds" else 0.0  # a margin may be negative
+            per[col] = summary_stats(float(mean), None if n < 2 else float(std), n, lower=lower, upper=upper)
+        out[(key, baseline)] = per
+    return out

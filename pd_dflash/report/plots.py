@@ -1,0 +1,120 @@
+"""PNG plots of the matrix (``--plots``). matplotlib is imported only here, object-oriented on the Agg
+canvas (no pyplot, no global backend switch), so a long-lived collector process leaks no figures."""
+
+from __future__ import annotations
+
+import io
+import re
+
+from pd_dflash.report.aggregate import Matrix
+from pd_dflash.upstream import BASELINE_ORDER
+
+_STYLE = {"B0": "o-", "B1": "s-", "B2": "^-", "B3": "D--", "OURS": "*-"}
+_COLOR = {"B0": "tab:blue", "B1": "tab:orange", "B2": "tab:green", "B3": "tab:red", "OURS": "tab:purple"}
+
+
+def _slug(model: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_") or "model"
+
+
+def _series(matrix: Matrix, model: str, column: str):
+    """{(baseline, B): [(c, mean, half-width or 0)]} for one model."""
+    out: dict[tuple[str, int], list[tuple[int, float, float]]] = {}
+    for key, g in matrix.groups.items():
+        if g.model != model:
+            continue
+        for b in g.by_baseline:
+            s = matrix.stats.get((key, b), {}).get(column)
+            if s is None:
+                continue
+            half = 0.0 if s["ci95_low"] is None else (s["ci95_high"] - s["ci95_low"]) / 2
+            out.setdefault((b, g.block_size), []).append((g.concurrency, s["mean"], half))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _concurrency_axis(ax, concs: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concs, [str(c) for c in concs])
+    ax.minorticks_off()
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def render_plots(matrix: Matrix) -> dict[str, bytes]:
+    """``plots/<model>_<what>.png`` → PNG bytes: tokens/s vs concurrency (the design's money plot) per block
+    size, coverage and waste ratio vs block size, acceptance length vs concurrency."""
+    from matplotlib.figure import Figure
+
+    files: dict[str, bytes] = {}
+    models = sorted({g.model for g in matrix.groups.values()})
+    for model in models:
+        blocks = sorted({g.block_size for g in matrix.groups.values() if g.model == model})
+        slug = _slug(model)
+
+        tps = _series(matrix, model, "output_tokens_per_second")
+        fig = Figure(figsize=(5.5 * len(blocks), 4.2), layout="constrained")
+        axes = fig.subplots(1, len(blocks), squeeze=False)[0]
+        for ax, bsz in zip(axes, blocks, strict=True):
+            for b in BASELINE_ORDER:
+                pts = tps.get((b, bsz))
+                if pts:
+                    cs, ys, hs = zip(*pts, strict=True)
+                    ax.errorbar(cs, ys, yerr=hs, fmt=_STYLE[b], color=_COLOR[b], label=b, capsize=3)
+            _concurrency_axis(ax, sorted({g.concurrency for g in matrix.groups.values() if g.model == model}))
+            ax.set_xlabel("concurrency c (requests in flight)")
+            ax.set_ylabel("output tokens/s")
+            ax.set_title(f"B = {bsz}")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"{model}: tokens/s vs concurrency (mean ± 95% CI)")
+        files[f"plots/{slug}_tokens_per_second.png"] = _png(fig)
+
+        fig = Figure(figsize=(11, 4.2), layout="constrained")
+        ax_cov, ax_waste = fig.subplots(1, 2)
+        concs = sorted({g.concurrency for g in matrix.groups.values() if g.model == model})
+        for ax, column, label in (
+            (ax_cov, "route_ahead_prefetch_coverage", "prefetch coverage"),
+            (ax_waste, "route_ahead.waste_ratio", "waste ratio"),
+        ):
+            series = _series(matrix, model, column)
+            for b, style in (("OURS", "-"), ("B1", ":")):
+                for c in concs:
+                    pts = [
+                        (bsz, m, h) for bsz in blocks for (cc, m, h) in series.get((b, bsz), []) if cc == c
+                    ]
+                    if pts:
+                        xs, ys, hs = zip(*pts, strict=True)
+                        ax.errorbar(xs, ys, yerr=hs, fmt="o" + style, label=f"{b} c={c}", capsize=3)
+            ax.set_xticks(blocks)
+            ax.set_xlabel("block size B")
+            ax.set_ylabel(label)
+            ax.set_ylim(-0.02, 1.02)
+            ax.grid(True, alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7, ncol=2)
+        fig.suptitle(f"{model}: route-ahead coverage and waste vs block size (OURS solid, B1 dotted)")
+        files[f"plots/{slug}_coverage_waste.png"] = _png(fig)
+
+        acc = _series(matrix, model, "acceptance_length_a")
+        fig = Figure(figsize=(6, 4.2), layout="constrained")
+        ax = fig.subplots()
+        for b in BASELINE_ORDER:
+            for j, bsz in enumerate(blocks):
+                pts = acc.get((b, bsz))
+                if pts and b not in ("B0", "B3"):
+                    cs, ys, hs = zip(*pts, strict=True)
+                    fmt = _STYLE[b][0] + ("-" if j == len(blocks) - 1 else "--")
+                    ax.errorbar(cs, ys, yerr=hs, fmt=fmt, color=_COLOR[b], label=f"{b} B={bsz}", capsize=3)
+        _concurrency_axis(ax, concs)
+        ax.set_xlabel("concurrency c")
+        ax.set_ylabel("acceptance length τ (tokens/round)")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        fig.suptitle(f"{model}: acceptance length (AR = 1)")
+        files[f"plots/{slug}_acceptance_length.png"] = _png(fig)
+    return files

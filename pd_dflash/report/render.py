@@ -1,0 +1,194 @@
+"""Rendering the aggregated matrix: result_matrix.json, .csv (upstream columns first) and .md (for people)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import Any
+
+from pd_dflash.report.aggregate import EXTRA_COLUMNS, Matrix
+from pd_dflash.report.gates import DISABLED, FAIL, GATES, NOT_EVALUATED, PASS, bm1_on_means, hide_on_means
+from pd_dflash.spec import Gates
+from pd_dflash.upstream import BASELINE_ORDER, REQUIRED_METRICS, UPSTREAM_CSV_COLUMNS
+
+_EXTRA_CSV = {c: c.replace(".", "_") for c in EXTRA_COLUMNS}
+#: pd-dflash's columns after upstream's.
+EXTRA_CSV_COLUMNS: tuple[str, ...] = (
+    "n_repeats",
+    "repeats_aggregated",
+    "shared_across_block_sizes",
+    "speedup_over_b0",
+    *(f"{m}_{s}" for m in REQUIRED_METRICS for s in ("std", "ci95_low", "ci95_high")),
+    *_EXTRA_CSV.values(),
+    "bm1_router_to_verify_ratio",
+    "bm1_pass",
+    "hide_hidden_on_means",
+    "warnings",
+    "reason",
+)
+CSV_COLUMNS: tuple[str, ...] = (*UPSTREAM_CSV_COLUMNS, *EXTRA_CSV_COLUMNS)
+
+
+def dumps(obj: Any) -> str:
+    """JSON as upstream writes it: indent 2, sorted keys, trailing newline (and never NaN)."""
+    return json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+def matrix_json(matrix: Matrix) -> str:
+    return dumps(matrix.rows)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def speedup(matrix: Matrix, key: str, baseline: str) -> float | None:
+    b0 = matrix.mean(key, "B0", "output_tokens_per_second")
+    x = matrix.mean(key, baseline, "output_tokens_per_second")
+    return None if b0 is None or x is None or b0 <= 0 else x / b0
+
+
+def matrix_csv(matrix: Matrix) -> str:
+    """One line per (group, baseline), sorted by (model, B, c) then baseline; "" for anything absent."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    lines = []
+    for key, group in matrix.groups.items():
+        for b, row in matrix.rows[key].items():
+            stats = matrix.stats.get((key, b), {})
+            bm1 = bm1_on_means(matrix, key, b)
+            hide = hide_on_means(matrix, key, b)
+            values: dict[str, Any] = {c: row.get(c) for c in UPSTREAM_CSV_COLUMNS}
+            values.update(
+                n_repeats=row["n_repeats"],
+                repeats_aggregated=";".join(str(r) for r in row["repeats_aggregated"]),
+                shared_across_block_sizes=";".join(str(x) for x in row.get("shared_across_block_sizes", [])),
+                speedup_over_b0=speedup(matrix, key, b),
+                bm1_router_to_verify_ratio=None if bm1 is None else bm1["bm1_router_to_verify_ratio"],
+                bm1_pass=None if bm1 is None else bm1["bm1_pass"],
+                hide_hidden_on_means=None if hide is None else hide["hidden"],
+                warnings="; ".join(row.get("warnings", [])),
+                reason=row.get("reason"),
+            )
+            for m in REQUIRED_METRICS:
+                s = stats.get(m, {})
+                for part in ("std", "ci95_low", "ci95_high"):
+                    values[f"{m}_{part}"] = s.get(part)
+            for col, name in _EXTRA_CSV.items():
+                values[name] = stats.get(col, {}).get("mean")
+            lines.append(((group.model, group.block_size, group.concurrency, b), values))
+    for _, values in sorted(lines, key=lambda kv: kv[0]):
+        writer.writerow([_cell(values.get(c)) for c in CSV_COLUMNS])
+    return buf.getvalue()
+
+
+# -- markdown -------------------------------------------------------------------------------------------
+
+#: (column, title, unit, scale) of the tables a person reads; "speedup" is derived.
+HEADLINE: tuple[tuple[str, str, str, float], ...] = (
+    ("output_tokens_per_second", "Output tokens/s", "tok/s", 1.0),
+    ("speedup", "Speedup over B0 (ratio of mean tokens/s)", "x", 1.0),
+    ("goodput_at_slo", "Goodput at SLO", "tok/s", 1.0),
+    ("acceptance_length_a", "Acceptance length τ", "tokens/round", 1.0),
+    ("per_round_latency_seconds", "Per-round latency", "ms", 1e3),
+    ("ttft_seconds", "TTFT (mean over requests)", "ms", 1e3),
+    ("expert_cache_hit_rate", "Expert cache hit rate", "ratio", 1.0),
+    ("route_ahead_prefetch_coverage", "Prefetch coverage", "ratio", 1.0),
+    ("route_ahead.waste_ratio", "Route-ahead waste ratio", "ratio", 1.0),
+    ("wasted_prefetch_bytes", "Wasted prefetch", "GB", 1e-9),
+)
+_MARK = {PASS: "pass", FAIL: "**FAIL**", NOT_EVALUATED: "n/e", DISABLED: "off"}
+
+
+def _table_cell(matrix: Matrix, key: str, baseline: str, column: str, scale: float) -> str:
+    row = matrix.rows.get(key, {}).get(baseline)
+    if row is None:
+        return "missing"
+    if column == "speedup":
+        s = speedup(matrix, key, baseline)
+        return "" if s is None else f"{s:.3g}"
+    stats = matrix.stats.get((key, baseline), {}).get(column)
+    if stats is None:
+        return row["status"] if row["n_repeats"] == 0 else "—"
+    text = f"{stats['mean'] * scale:.4g}"
+    if stats["ci95_low"] is not None:
+        half = (stats["ci95_high"] - stats["ci95_low"]) / 2 * scale
+        text += f" ± {half:.2g}"
+    return text
+
+
+def matrix_markdown(matrix: Matrix, verdicts: dict[str, dict], overall: dict, gates: Gates) -> str:
+    models = sorted({key.rsplit("|", 2)[0] for key in verdicts})
+    lines = [
+        "# PD-DFlash Phase-A result matrix",
+        "",
+        f"**{overall['line']}**",
+        "",
+        f"- rows read: {matrix.n_input_rows}; groups (model, B, c): {overall['groups']}, complete and valid: "
+        f"{overall['groups_complete']}",
+        f"- gates: coverage ≥ {gates.min_coverage}, waste ratio ≤ {gates.max_waste_ratio}, speedup over B0 ≥ "
+        f"{gates.min_speedup_over_b0}, ordering B0 < B1 < OURS ≤ B3: {'on' if gates.require_ordering else 'off'}, "
+        f"allowed blocked: {', '.join(gates.allow_blocked) or 'none'}, "
+        f"allowed unmeasured: {', '.join(gates.allow_unmeasured) or 'none'}",
+        "- cells are mean ± half-width of the Student-t 95% interval over repeats (no ± with one repeat); "
+        "definitions in docs/metrics.md",
+    ]
+    lines.extend(f"- superseded failed row {old} by {new}" for old, new in matrix.superseded)
+    if overall["verdict"] != "GO":
+        lines.extend(f"- {reason}" for reason in overall["reasons"] + overall["also"])
+    for model in models:
+        keys = [k for k in verdicts if k.rsplit("|", 2)[0] == model]
+        present = {b for k in keys for b in matrix.rows.get(k, {})}
+        expected = {b for k in keys for b in verdicts[k]["missing"]}
+        baselines = [b for b in BASELINE_ORDER if b in present | expected]
+        shared = sorted(
+            {
+                (b, tuple(bs))
+                for k in keys
+                for b, bs in verdicts[k].get("shared_across_block_sizes", {}).items()
+            }
+        )
+        lines += ["", f"## {model}"]
+        if shared:
+            lines.append("")
+        for b, bs in shared:
+            lines.append(
+                f"- {b} is measured once per (c, repeat) and shown in every block-size group it covers: "
+                f"B = {', '.join(str(x) for x in bs)} (the same numbers in each)."
+            )
+        header = "| B | c | " + " | ".join(baselines) + " |"
+        rule = "|---|---|" + "---|" * len(baselines)
+        for column, title, unit, scale in HEADLINE:
+            lines += ["", f"### {title} ({unit})", "", header, rule]
+            for k in keys:
+                _, b, c = k.rsplit("|", 2)
+                cells = [_table_cell(matrix, k, base, column, scale) for base in baselines]
+                lines.append(f"| {b[1:]} | {c[1:]} | " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            "### Gates",
+            "",
+            "| B | c | " + " | ".join(GATES) + " |",
+            "|---|---|" + "---|" * len(GATES),
+        ]
+        notes = []
+        for k in keys:
+            _, b, c = k.rsplit("|", 2)
+            gs = verdicts[k]["gates"]
+            lines.append(f"| {b[1:]} | {c[1:]} | " + " | ".join(_MARK[gs[g]["status"]] for g in GATES) + " |")
+            notes += [
+                f"- {k} {g} ({gs[g]['status']}): {gs[g]['summary']}"
+                for g in GATES
+                if gs[g]["status"] in (FAIL, NOT_EVALUATED) and gs[g]["summary"]
+            ]
+        if notes:
+            lines += ["", *notes]
+    return "\n".join(lines) + "\n"

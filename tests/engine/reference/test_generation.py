@@ -1,0 +1,163 @@
+"""The decode loop against transformers' own generate, and offloading against residency, token for token."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from pd_dflash.engine.reference.decode import (
+    AutoregressiveDecoding,
+    Block,
+    Request,
+    TargetModel,
+    run_requests,
+)
+from pd_dflash.engine.reference.expert_cache import ExpertCache
+from pd_dflash.engine.reference.families import family_of
+from pd_dflash.engine.reference.link import HostLink
+from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
+from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
+from tests.engine.reference.conftest import eager_copy, tiny_model
+
+CPU = torch.device("cpu")
+
+
+def offloaded(model, storage="fp32"):
+    model = copy.deepcopy(model)
+    family = family_of(model.config)
+    store = install_offload(model, family, storage, pin=False)
+    return TargetModel(model, family, CPU), store
+
+
+def runtime(target, store, *, fraction=None, policy="lru", gbps=None):
+    if fraction is None:
+        cache = ExpertCache(store, store.total_bytes, CPU, torch.float32)
+    else:
+        link = HostLink(gbps)
+        cache = ExpertCache(
+            store, int(fraction * store.total_bytes), CPU, torch.float32, policy=policy, link=link
+        )
+    k = target.model.config.num_experts_per_tok
+    prefetcher = ActivationAwarePrefetcher(store.layer_ids, store.num_experts, k, issue=fraction is not None)
+    rt = OffloadRuntime(store, cache, prefetcher)
+    rt.attach(target.model)
+    return rt
+
+
+def generate(target, rt, prompts, max_new, concurrency=1):
+    requests = [Request(i, p, max_new) for i, p in enumerate(prompts)]
+    rounds = run_requests(
+        target, requests, concurrency=concurrency, decoding=AutoregressiveDecoding(), hooks=rt
+    )
+    rt.cache.drain()
+    return [r.output for r in requests], rounds
+
+
+def hf_generate(model, prompts, max_new):
+    ref = eager_copy(model)
+    out = []
+    for p in prompts:
+        ids = ref.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new)
+        out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+def prompts_for(vocab, n=3, length=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length + i,), generator=g).tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_loop_matches_hf_generate_greedy(family):
+    model = tiny_model(family)
+    prompts = prompts_for(model.config.vocab_size)
+    want = hf_generate(model, prompts, 12)  # 12 + 14 tokens > gpt-oss's sliding window of 8
+    target, store = offloaded(model)
+    got, _ = generate(target, runtime(target, store), prompts, 12)
+    assert got == want
+
+
+def test_loop_matches_hf_generate_on_the_trained_micro(micro):
+    model, _ = micro
+    prompts = prompts_for(model.config.vocab_size, n=2, length=16, seed=1)
+    target, store = offloaded(model)
+    got, _ = generate(target, runtime(target, store), prompts, 20)
+    assert got == hf_generate(model, prompts, 20)
+
+
+def test_offloaded_experts_are_a_drop_in_module_for_hf_forward():
+    model = tiny_model("qwen3_moe")
+    target, store = offloaded(model)
+    rt = runtime(target, store, fraction=0.25)
+    rt.begin_round([("hf", 10)])
+    ids = torch.tensor([prompts_for(64, n=1, length=10)[0]])
+    with torch.no_grad():
+        got = target.model(ids).logits
+        want = eager_copy(model)(ids).logits
+    rt.end_round(kept_rows=10)
+    assert torch.equal(got, want)
+    rt.close()
+
+
+def test_captured_hidden_states_match_hf_output_hidden_states(micro):
+    model, _ = micro
+    prompt = prompts_for(model.config.vocab_size, n=1, length=9)[0]
+    with torch.no_grad():
+        want = eager_copy(model)(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    target, store = offloaded(model)
+    rt = runtime(target, store)
+    request = Request("h", prompt, 1, cache=target.new_cache())
+    rt.begin_round([("h", len(prompt))])
+    _, captured = target.forward([Block(request, prompt, len(prompt) - 1)], capture=range(len(want)))
+    assert sorted(captured) == list(range(len(want)))
+    for i, h in captured.items():
+        assert torch.allclose(h, want[i], atol=1e-6), i
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "policy", "storage"),
+    [(1, "lru", "fp32"), (4, "lru", "fp32"), (4, "lfu", "fp32"), (2, "lru", "fp8")],
+)
+def test_offloaded_equals_resident_token_for_token(micro, concurrency, policy, storage):
+    model, _ = micro
+    prompts = prompts_for(model.config.vocab_size, n=5, length=10, seed=2)
+    target, store = offloaded(model, storage)
+    resident, _ = generate(target, runtime(target, store), prompts, 16, concurrency)
+    rt = runtime(target, store, fraction=0.3, policy=policy, gbps=5.0)
+    got, rounds = generate(target, rt, prompts, 16, concurrency)
+    assert got == resident
+    c = rt.cache.counters
+    assert c.misses > 0 and c.h2d_bytes > 0  # really offloaded
+    assert c.peak_occupancy_bytes <= 0.3 * store.total_bytes
+    assert max(r.requests for r in rounds) == concurrency  # c requests in one batched forward
+    rt.close()
+
+
+def test_prefetch_statistics_are_on_the_route_ahead_scale(micro):
+    model, _ = micro
+    prompts = prompts_for(model.config.vocab_size, n=3, length=12, seed=3)
+    target, store = offloaded(model)
+    rt = runtime(target, store, fraction=0.5, gbps=5.0)
+    _, rounds = generate(target, rt, prompts, 12, concurrency=3)
+    stats = rt.stats.as_dict()
+    assert stats["steps"] == len(rounds)
+    assert stats["layers_observed"] == len(rounds) * len(store.layer_ids)
+    assert 0 < stats["covered_experts"] <= stats["actual_experts"] == sum(rt.needed_per_round)
+    assert stats["predicted_prefetch_bytes"] == stats["predicted_experts"] * store.expert_nbytes
+    assert stats["kept_experts"] == stats["actual_experts"]  # AR keeps every row
+    rt.close()
+
+
+def test_forwards_outside_a_round_fetch_but_do_not_feed_the_statistics(micro):
+    model, _ = micro
+    target, store = offloaded(model)
+    rt = runtime(target, store, fraction=0.3, gbps=5.0)
+    ids = torch.tensor([prompts_for(model.config.vocab_size, n=1, length=8)[0]])
+    with torch.no_grad():
+        target.model(ids)  # e.g. a drafter running target layers between rounds
+        target.model(ids)
+    assert rt.cache.counters.accesses > 0
+    assert rt.stats.as_dict()["steps"] == 0 and rt.needed_per_round == []
+    rt.close()

@@ -1,0 +1,53 @@
+"""NVML, NVTX and the probe degrade cleanly on a machine without a GPU; the CUDA paths run only with CUDA."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pd_dflash.engine import nvml  # noqa: E402
+from pd_dflash.engine.nvtx_ranges import nvtx_range  # noqa: E402
+from pd_dflash.engine.probe import measure_h2d_bytes_per_second  # noqa: E402
+from pd_dflash.upstream import NVTX_RANGES  # noqa: E402
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+
+
+def test_nvtx_ranges_accept_upstream_names_only():
+    for name in NVTX_RANGES:
+        with nvtx_range(name):
+            pass
+    with pytest.raises(ValueError, match="unknown NVTX range"), nvtx_range("my_phase"):
+        pass
+
+
+@no_cuda
+def test_nvml_degrades_to_a_note_without_a_driver():
+    assert nvml.device_identity() is None and nvml.telemetry() is None
+    check = nvml.validate_device("RTX PRO 6000", (12, 0))
+    assert check.ok and "not validated" in check.note
+
+
+@no_cuda
+def test_probe_cli_says_there_is_no_gpu():
+    out = subprocess.run(
+        [sys.executable, "-m", "pd_dflash", "probe", "--json"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["device"] is None and data["cuda_available"] is False
+    assert "h2d" not in data and data["host_copy"]["bytes_per_second"] > 0 and "no CUDA" in data["note"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_probe_measures_pinned_h2d_on_cuda():
+    bw = measure_h2d_bytes_per_second(nbytes=64 * 2**20, copies=5)
+    assert bw is not None and bw > 1e9
+    identity = nvml.device_identity()
+    assert identity is not None and identity["uuid"]
