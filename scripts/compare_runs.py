@@ -1,0 +1,119 @@
+"""Compare two sweeps' rows.jsonl apart from what depends on wall-clock time.
+
+Used to check that a behaviour-preserving change (a restructuring) leaves `make run`'s rows unchanged:
+``python scripts/compare_runs.py BEFORE/rows.jsonl AFTER/rows.jsonl``. Rows are matched by identity
+(model, baseline, block_size, concurrency, repeat). Two things are compared:
+
+- the *shape*: every row has the same nested field names (a field added, dropped or renamed shows up);
+- the *values* of every field that does not depend on timing: identity, status, token counts and output
+  digests, acceptance (length and histogram), route-ahead prediction counts, cache geometry, scheduler and
+  drafter facts. Values driven by the clock (seconds, rates, hit counts of an emulated link whose timeline
+  follows measured compute time) are listed by ``TIMED`` and skipped; ``--show-timed`` prints them side by side.
+
+Exit 0 when both agree, 1 otherwise (each difference printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+IDENTITY = ("model", "baseline", "block_size", "concurrency", "repeat")
+#: Field paths (regular expressions over dotted paths) whose values follow the clock.
+TIMED = [
+    r".*seconds.*",
+    r".*_at$",
+    r".*per_second.*",
+    r"output_tokens_per_second|goodput_at_slo|ttft_seconds|per_round_latency_seconds",
+    r"expert_cache_hit_rate|wasted_prefetch_bytes|route_ahead_prefetch_coverage",
+    r"latency\..*",
+    r"cost_terms\..*",
+    r"hide_inequality\..*",
+    r"timings\..*",
+    r"runner\..*",
+    r"environment\..*",
+    r"engine\.expert_cache\.(?!capacity_bytes|slots|expert_nbytes|total_expert_bytes|policy|resident$).*",
+    r"engine\.overlap\..*",
+    r"engine\.batch\.(issue_seconds|idle_scheduling_steps)",
+    r"engine\.telemetry.*",
+    r"engine\.bm1\..*",
+    r"engine\.model_card\.(train\.seconds|code_version|cache_hit).*",
+    r"engine\.drafter\.card\.(train\.seconds|cache_hit).*",
+    r"engine\.threads",
+    r"engine\.load_seconds",
+    r"engine\.scheduler\..*",
+    r"route_ahead\.(covered|kept|wasted)_.*|route_ahead\.(coverage|waste_ratio)",
+    r"engine\.prediction\..*",
+    r"expert_occupancy_bytes|kv_occupancy_bytes",
+]
+_TIMED = re.compile("|".join(f"(?:{p})" for p in TIMED))
+#: With c > 1 a deficit scheduler (B2, OURS) admits by measured cost, so which requests share a forward, and
+#: everything counted per forward or per round, follows the clock too.
+SCHEDULED = [r"engine\.batch\..*", r"route_ahead\..*", r"acceptance_histogram\..*", r"acceptance_length_a"]
+_SCHEDULED = re.compile("|".join(f"(?:{p})" for p in SCHEDULED))
+
+
+def flatten(obj, prefix=""):
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(obj, list) and obj and isinstance(obj[0], dict):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(flatten(v, f"{prefix}[{i}]"))
+        return out
+    return {prefix: obj}
+
+
+def load(path: Path) -> dict[tuple, dict]:
+    rows = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[tuple(row[k] for k in IDENTITY)] = row
+    return rows
+
+
+def shape(flat: dict) -> set[str]:
+    # series and per-layer tables vary in length with timing; compare their parents only
+    return {re.sub(r"\[\d+\]", "[]", k) for k in flat if not re.search(r"_series", k)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("before", type=Path)
+    ap.add_argument("after", type=Path)
+    ap.add_argument("--show-timed", action="store_true")
+    args = ap.parse_args(argv)
+    a, b = load(args.before), load(args.after)
+    problems = []
+    if set(a) != set(b):
+        problems.append(f"cells differ: only before {sorted(set(a) - set(b))}, only after {sorted(set(b) - set(a))}")
+    compared = 0
+    for key in sorted(set(a) & set(b), key=str):
+        fa, fb = flatten(a[key]), flatten(b[key])
+        sa, sb = shape(fa), shape(fb)
+        if sa != sb:
+            problems.append(f"{key}: fields only before {sorted(sa - sb)}, only after {sorted(sb - sa)}")
+        for path in sorted(set(fa) & set(fb)):
+            scheduled = key[1] in ("B2", "OURS") and key[3] > 1
+            if path == "cell_id" or _TIMED.fullmatch(path) or (scheduled and _SCHEDULED.fullmatch(path)):
+                if args.show_timed and fa[path] != fb[path]:
+                    print(f"timed {key} {path}: {fa[path]!r} -> {fb[path]!r}")
+                continue
+            compared += 1
+            if fa[path] != fb[path]:
+                problems.append(f"{key} {path}: {fa[path]!r} != {fb[path]!r}")
+    for p in problems:
+        print(p)
+    print(f"{len(a)} vs {len(b)} rows, {compared} deterministic values compared, {len(problems)} differences")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
