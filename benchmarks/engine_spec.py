@@ -42,6 +42,8 @@ def summarize(row) -> dict:
         "tokens_per_second": row.output_tokens_per_second,
         "tau": row.acceptance_length_a,
         "coverage": row.route_ahead_prefetch_coverage,
+        "in_time_coverage": row.prefetched_in_time_coverage,
+        "experts_moved_per_token": ec["experts_moved_per_token"],
         "wasted_prefetch_bytes": row.wasted_prefetch_bytes,
         "hit_rate": row.expert_cache_hit_rate,
         "exposed_fetch_fraction": ec["exposed_fetch_fraction"],
@@ -94,7 +96,7 @@ def bench_spec(args):
         "emulated_h2d_gbps": args.gbps,
         "emulated_latency_us": args.latency_us,
         "drafter": args.drafter,
-        "cross_round_prefetch": args.cross_round,
+        "route_ahead_history": not args.no_history,
     }
     for item in args.option:
         key, _, value = item.partition("=")
@@ -187,15 +189,18 @@ def print_compare(cmp: dict) -> None:
         f"{cmp['cache_fraction']:.0%}, emulated link {cmp['emulated_h2d_gbps']} GB/s + {cmp['emulated_latency_us']} us, "
         f"drafter {cmp['drafter']['kind']}, medians over {cmp['repeats']} repeat(s)"
     )
-    header = "  B  c  conf   tok/s  /B0    tau  coverage  waste MB  hit    exposed  H2D KB/tok  req/fwd"
+    header = (
+        "  B  c  conf   tok/s  /B0    tau  recall  in-time  waste MB  hit    exposed  experts/tok  req/fwd"
+    )
     for group in cmp["table"]:
         print(header)
         for baseline, r in group["configurations"].items():
-            cov = "   -   " if r["coverage"] is None else f"{r['coverage']:7.3f}"
+            cov = "   -   " if r["coverage"] is None else f"{r['coverage']:6.3f}"
+            cov += "    -   " if r["in_time_coverage"] is None else f"  {r['in_time_coverage']:6.3f}"
             print(
                 f"{group['block_size']:3d} {group['concurrency']:2d}  {baseline:4s} {r['tokens_per_second']:7.1f} "
                 f"{group['over_b0'][baseline]:5.2f} {r['tau']:5.2f}  {cov}  {(r['wasted_prefetch_bytes'] or 0) / 1e6:8.2f}"
-                f"  {r['hit_rate']:5.3f}  {r['exposed_fetch_fraction']:7.3f}  {r['h2d_bytes_per_token'] / 1e3:10.1f}"
+                f"  {r['hit_rate']:5.3f}  {r['exposed_fetch_fraction']:7.3f}  {r['experts_moved_per_token']:11.2f}"
                 f"  {r['requests_per_forward']:7.2f}"
             )
         parts = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in group["ordering_parts"].items())
@@ -326,7 +331,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--drafter", choices=("dflash", "early_exit"), default="dflash")
-    p.add_argument("--cross-round", action="store_true", help="route-ahead cross-round prefetch (ablation)")
+    p.add_argument("--no-history", action="store_true", help="OURS predicts from route-ahead alone (ablation)")
     p.add_argument(
         "--option",
         action="append",

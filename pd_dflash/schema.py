@@ -156,6 +156,11 @@ class EngineResult(_Model):
     warnings: list[str] = Field(default_factory=list)
     cost_terms: CostTerms | None = None
 
+    #: The second coverage (pd-dflash): of the experts the verify routed (Σ|A| over layers and rounds), the
+    #: share the prefetcher had predicted AND had resident and ready when the verify acquired it. Recall
+    #: (``route_ahead_prefetch_coverage``, upstream's meaning) minus late or dropped prefetches.
+    prefetched_in_time_coverage: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+
     #: BM1 terms (upstream optional fields) and the draft time: sums over the timed loop, in seconds.
     t_draft_seconds: NonNegative | None = None
     t_router_seconds: NonNegative | None = None

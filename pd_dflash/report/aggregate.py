@@ -34,6 +34,7 @@ HIDE_TERMS: tuple[str, ...] = (
 )
 #: Numeric row fields averaged over repeats besides the ten metrics (dotted = nested field).
 EXTRA_COLUMNS: tuple[str, ...] = (
+    "prefetched_in_time_coverage",
     "t_draft_seconds",
     "t_router_seconds",
     "t_verify_seconds",

@@ -41,6 +41,7 @@ from pd_dflash.engine.reference.presets.drafters import load_drafter
 from pd_dflash.engine.reference.route_prefetch import RouteAheadPrefetcher
 from pd_dflash.engine.reference.serving import RoundRecord, run_requests
 from pd_dflash.engine.reference.speculative import BlockDrafterSource, EarlyExitDrafter, SpeculativeDecoding
+from pd_dflash.engine.reference.verify_width import CostAwareWidth
 from pd_dflash.errors import InputError
 from pd_dflash.schema import EngineResult, Status
 from pd_dflash.spec import Cell
@@ -106,6 +107,7 @@ class ReferenceEngine(Engine):
             measure_h2d_bytes_per_second(self.device) if self.device.type == "cuda" else None
         )
         self._dflash = None  # (BlockDrafter, card): trained/loaded at the first speculative cell
+        self.last_trace: tuple[list, int] | None = None
         self.load_seconds = time.perf_counter() - start
 
     # -- interface ---------------------------------------------------------------------------------------------
@@ -147,6 +149,8 @@ class ReferenceEngine(Engine):
         with self._setup(cell, capacity) as setup:
             warm_seconds = self._warm_up(cell, setup)
             rounds, timed_seconds = self._timed(cell, setup)
+            #: The timed loop's verify access trace and cache slots (``benchmarks/cache_policy.py``).
+            self.last_trace = (setup.runtime.trace, setup.runtime.cache.num_slots)
             return assemble(self._measurement(setup, rounds, warm_seconds, timed_seconds), self.ctx.slo)
 
     def close(self) -> None:
@@ -343,12 +347,15 @@ class ReferenceEngine(Engine):
         )
         prefetcher = None
         if cell.baseline == "OURS":
+            rate = self.link_bytes_per_second()
+            width = CostAwareWidth(rate) if opts.verify_width == "cost_aware" and rate else None
             prefetcher = RouteAheadPrefetcher(
                 self.target,
                 self.store.layer_ids,
                 self.top_k,
-                window=max(1, cache.num_slots // 2),
-                cross_round=opts.cross_round_prefetch,
+                history=opts.route_ahead_history,
+                width=width,
+                expert_nbytes=self.store.expert_nbytes,
             )
         elif opts.prefetcher == "activation_aware":
             # B3: observe-only, so its prediction quality is on the same scale as the offloaded baselines'.
@@ -358,6 +365,16 @@ class ReferenceEngine(Engine):
         runtime = OffloadRuntime(self.store, cache, prefetcher)
         runtime.attach(self.target.model)
         return runtime, facts
+
+    def link_bytes_per_second(self) -> float | None:
+        """The link's rate for one expert transfer, as the engine knows it before a cell: the emulated rate with
+        its per-transfer latency, or the CUDA probe; None for an un-emulated host copy (no device link)."""
+        opts, nbytes = self.options, self.store.expert_nbytes
+        if self.device.type == "cuda":
+            return self.probe_bytes_per_second
+        if opts.emulated_h2d_gbps:
+            return nbytes / (nbytes / (opts.emulated_h2d_gbps * 1e9) + opts.emulated_latency_us * 1e-6)
+        return None
 
     def _requests(self, cell: Cell, n: int, *, max_new: int, stream: int, tag: str) -> list[Request]:
         wl = self.ctx.workload
