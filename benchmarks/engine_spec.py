@@ -124,7 +124,7 @@ def bench_spec(args):
 
 
 def run_cells(engine, cells, args) -> tuple[dict[tuple, list[dict]], dict | None]:
-    """Summaries per (baseline, B, c), one per repeat, and the drafter's facts. B0/B3 are block-independent:
+    """Summaries per (baseline, B, c), one per repeat, and the drafter's facts. B0 is block-independent:
     one cell per (c, repeat), shown in every B group."""
     from pd_dflash.schema import Row
 
@@ -136,7 +136,7 @@ def run_cells(engine, cells, args) -> tuple[dict[tuple, list[dict]], dict | None
         for b in args.block_sizes:
             for conc in args.concurrency:
                 for baseline in BASELINES:
-                    if b != smallest and baseline in ("B0", "B3"):
+                    if b != smallest and baseline == "B0":
                         results.setdefault((baseline, b, conc), []).append(
                             results[(baseline, smallest, conc)][rep]
                         )

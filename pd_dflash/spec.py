@@ -60,7 +60,7 @@ class ModelSpec(_Strict):
 class Workload(_Strict):
     requests: Annotated[int, Field(ge=1)] = 64
     warmup_rounds: Annotated[int, Field(ge=0)] = 5
-    #: An integer, or "auto" = max(4·B, 32) as upstream (B = the largest block size for B0/B3, see docs).
+    #: An integer, or "auto" = max(4·B, 32) as upstream (B = the largest block size for B0, see docs).
     max_new_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     #: "synthetic" (the reference presets' language) or a path to a prompt file (one prompt per line).
     prompts: Annotated[str, Field(min_length=1)] = "synthetic"
@@ -239,7 +239,7 @@ class Cell(_Strict):
     block_size: int
     concurrency: int
     repeat: int
-    #: Block sizes whose report groups this row fills (all of them for B0/B3, else just ``block_size``).
+    #: Block sizes whose report groups this row fills (all of them for B0, else just ``block_size``).
     block_sizes_covered: tuple[int, ...]
     max_new_tokens: int
     offloaded: bool
@@ -276,8 +276,9 @@ def _cell_id(spec: SweepSpec, model: ModelSpec, fields: dict[str, Any]) -> str:
 def expand(spec: SweepSpec) -> list[Cell]:
     """All cells of the spec, in a deterministic order (model, baseline, block size, concurrency, repeat).
 
-    B0 and B3 do not depend on the block size: they get one cell per (model, c, repeat), recorded at the
-    smallest block size and covering every block size (the report places the row in each group).
+    B0 does not depend on the block size: it gets one cell per (model, c, repeat), recorded at the smallest
+    block size and covering every block size (the report places the row in each group). B3 is speculative with
+    every expert resident and is measured per block size, as upstream ran it.
     """
     cells: list[Cell] = []
     smallest, largest = min(spec.block_sizes), max(spec.block_sizes)
@@ -287,7 +288,7 @@ def expand(spec: SweepSpec) -> list[Cell]:
             block_sizes = [smallest] if independent else spec.block_sizes
             for block_size in block_sizes:
                 covered = tuple(sorted(spec.block_sizes)) if independent else (block_size,)
-                # auto max_new_tokens follows the largest block this row stands for, so B0/B3 rows are the
+                # auto max_new_tokens follows the largest block this row stands for, so B0 rows are the
                 # same measurement whichever block-size group shows them.
                 max_new = spec.workload.resolve_max_new_tokens(largest if independent else block_size)
                 offloaded = baseline in OFFLOADED_BASELINES
@@ -390,7 +391,7 @@ def render_plan(spec: SweepSpec, planned: dict[str, Any]) -> str:
         lines.append(f"  {model:<{width}}  {parts}  (total {sum(by_b.values())})")
     if counts["saved_by_block_dedup"]:
         lines.append(
-            f"B0/B3 measured once per (model, c, repeat) and shown in every block-size group: "
+            f"B0 measured once per (model, c, repeat) and shown in every block-size group: "
             f"{counts['saved_by_block_dedup']} cells saved"
         )
     if planned["blocked"]:

@@ -9,7 +9,8 @@ statistics on, the probed host→device bandwidth and the device identity.
 Per cell: a ContinuousBatchingEngine with ``max_batch_size = c`` serves ``workload.requests`` requests with c
 in flight (``serving.drive``). What each configuration switches (never silently the same as another):
 
-- B0 / B3: no speculator (autoregressive, batched decode); B3 on the resident load.
+- B0: no speculator (autoregressive, batched decode).
+- B3: B1's speculative path on the resident load (upstream's B3: DFlash with every expert resident).
 - B1: DFlash with route-ahead OFF (the verify-time prefetcher hook returns None, so the expert executor keeps
   its unchanged AR prefetch path) and non-binding verify budgets (every pending verify admitted each step).
 - B2: DFlash, route-ahead OFF, token-deficit scheduling (upstream's ``build_b2_serving_config``: token budget
@@ -182,7 +183,7 @@ class MoEInfinityEngine(Engine):
         self._facts.update(
             num_offloaded_experts=self.num_offloaded, total_expert_bytes=m.total_expert_bytes(self.moe.engine)
         )
-        if self.ctx.load_group != "resident" and model.draft:
+        if model.draft:  # every configuration but B0 is speculative, B3 on the resident load included
             self._load_speculator(model.draft)
         from transformers import AutoTokenizer
 
@@ -292,7 +293,7 @@ class MoEInfinityEngine(Engine):
                 Status.BLOCKED_UNTIL_2D_SCHEDULER,
                 f"{b} needs MoE-Infinity's verify-round scheduler; this build lacks {' and '.join(missing)}",
             )
-        if b in ("B1", "B2"):
+        if b in ("B1", "B2", "B3"):
             if not build.route_ahead_switch:
                 return self._without_metrics(
                     Status.REFUSED,
@@ -329,7 +330,7 @@ class MoEInfinityEngine(Engine):
         if not cell.speculative:
             return CellPlan(False, None, None, "ar_batched")
         sessions = self.build.verify_scheduler and self.build.session_seam
-        if b == "B1":
+        if b in ("B1", "B3"):  # B3: B1's speculative path on the resident load (upstream's B3)
             if not sessions:
                 return CellPlan(True, False, None, "spec_whole_request")
             budgets = _budgets(bs * c, bs * c, B2_UNBOUNDED_EXPERT_BYTES, B2_UNBOUNDED_EXPERT_BYTES)

@@ -43,7 +43,7 @@ def test_local_sweep_with_the_fake_gives_a_full_matrix(tmp_path, tokenizer_dir):
     rows, torn = read_rows(out / "rows.jsonl")
     assert torn is None
     assert {r.cell_id for r in rows} == {c.cell_id for c in expand(spec)}
-    assert len(rows) == len(expand(spec)) == 16
+    assert len(rows) == len(expand(spec)) == 18  # B0 once per c; B1, B2, B3, OURS per block size
     for row in rows:
         assert row.engine["name"] == "moe_infinity" and row.engine["fake"] is True, row.engine
         assert row.engine["version"] == "0.0.0+fake"
