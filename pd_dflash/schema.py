@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pd_dflash.errors import InputError, format_validation_error
-from pd_dflash.spec import Cell
+from pd_dflash.spec import Cell, group_model
 from pd_dflash.upstream import RATIO_METRICS, REQUIRED_METRICS, ROUTE_AHEAD_KEYS, Baseline
 
 
@@ -249,8 +249,10 @@ class Row(EngineResult):
     cell_id: str | None = None
     sweep: str | None = None
     attempt: Annotated[int, Field(ge=1)] = 1
-    #: Block sizes whose report groups this row fills (B0/B3 are measured once for all of them).
+    #: Block sizes whose report groups this row fills (B0 is measured once for all of them).
     block_sizes_covered: list[int] | None = None
+    #: The cell's ablation values (``spec.ABLATION_AXES``): part of its identity and of its report group.
+    ablation: dict[str, float] | None = None
     max_new_tokens: Annotated[int, Field(ge=1)] | None = None
     #: Host, device, driver, package versions, git revision of the runner that measured the row.
     environment: dict[str, Any] | None = None
@@ -269,8 +271,15 @@ class Row(EngineResult):
         return self
 
     @property
-    def identity(self) -> tuple[str, str, int, int, int]:
-        return (self.model, self.baseline, self.block_size, self.concurrency, self.repeat)
+    def identity(self) -> tuple:
+        """Upstream's ``(model, baseline, block_size, concurrency, repeat)``, plus the ablation values if any."""
+        base = (self.model, self.baseline, self.block_size, self.concurrency, self.repeat)
+        return base + tuple(sorted(self.ablation.items())) if self.ablation else base
+
+    @property
+    def group_model(self) -> str:
+        """The model part of the row's report group key (``spec.group_model``)."""
+        return group_model(self.model, self.ablation)
 
     @classmethod
     def from_result(cls, cell: Cell, result: EngineResult, **bookkeeping: Any) -> Row:
@@ -311,6 +320,7 @@ def _cell_fields(cell: Cell) -> dict[str, Any]:
         "cell_id": cell.cell_id,
         "block_sizes_covered": list(cell.block_sizes_covered),
         "max_new_tokens": cell.max_new_tokens,
+        **({"ablation": dict(cell.ablation)} if cell.ablation else {}),
     }
 
 

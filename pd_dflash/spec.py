@@ -9,6 +9,7 @@ different measurement.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from pathlib import Path
@@ -54,7 +55,20 @@ class ModelSpec(_Strict):
     offload_dir: str | None = None
     preset: str | None = None
     #: Engine-specific options, validated by the engine's own options model (pd_dflash.engine.registry).
+    #: ``emulated_h2d_gbps`` may be a list: an ablation axis (``ABLATION_AXES``).
     engine_options: dict[str, Any] = Field(default_factory=dict)
+
+    def with_link(self, gbps: float | None) -> ModelSpec:
+        """This model with one value of its emulated link rate (an ablation cell's)."""
+        if gbps is None:
+            return self
+        return self.model_copy(update={"engine_options": {**self.engine_options, "emulated_h2d_gbps": gbps}})
+
+    def single_valued(self) -> ModelSpec:
+        """This model as an engine loads it: a link-rate list replaced by its first value (each cell then sets
+        its own, ``Cell.ablation``)."""
+        link = self.engine_options.get("emulated_h2d_gbps")
+        return self.with_link(link[0]) if isinstance(link, list) else self
 
 
 class Workload(_Strict):
@@ -76,13 +90,28 @@ class Workload(_Strict):
         return int(self.max_new_tokens)
 
 
+Fraction = Annotated[float, Field(gt=0.0, lt=1.0, allow_inf_nan=False)]
+#: Spec settings that may be lists (ablation axes): name → where it is written. Each cell of an ablation takes one
+#: value of each list-valued axis and carries it in ``Cell.ablation`` (its identity and its report group).
+ABLATION_AXES: dict[str, str] = {
+    "expert_cache_fraction": "memory.expert_cache_fraction",
+    "emulated_h2d_gbps": "models[].engine_options.emulated_h2d_gbps",
+}
+
+
 class Memory(_Strict):
     #: Device memory ratio for offloaded configurations (MoE-Infinity's knob). ≥ 0.9 would not offload.
     device_memory_ratio: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 0.85
     #: Ratio for B3 (experts resident).
     resident_memory_ratio: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 0.98
     #: Reference engine: device expert-cache capacity as a fraction of all routed-expert bytes (offloaded cells).
-    expert_cache_fraction: Annotated[float, Field(gt=0.0, lt=1.0, allow_inf_nan=False)] | None = None
+    #: A list is an ablation axis: one cell per value (``ABLATION_AXES``).
+    expert_cache_fraction: Fraction | Annotated[list[Fraction], Field(min_length=1)] | None = None
+
+    @field_validator("expert_cache_fraction")
+    @classmethod
+    def _fractions(cls, v):
+        return _unique(v, "expert_cache_fraction") if isinstance(v, list) else v
 
     @field_validator("device_memory_ratio")
     @classmethod
@@ -213,7 +242,17 @@ class SweepSpec(_Strict):
         from pd_dflash.engine.registry import validate_engine_options
 
         for i, m in enumerate(self.models):
-            validate_engine_options(self.engine, m, where=f"models.{i}")
+            link = m.engine_options.get("emulated_h2d_gbps")
+            if isinstance(link, list):
+                if not link or len(set(link)) != len(link):
+                    raise ValueError(
+                        f"models.{i}.engine_options.emulated_h2d_gbps: an ablation list must be non-empty and "
+                        f"without duplicates, got {link}"
+                    )
+                for value in link:
+                    validate_engine_options(self.engine, m.with_link(value), where=f"models.{i}")
+            else:
+                validate_engine_options(self.engine, m, where=f"models.{i}")
         return self
 
     # -- derived -------------------------------------------------------------------------------------------
@@ -245,14 +284,45 @@ class Cell(_Strict):
     offloaded: bool
     #: The memory ratio this cell loads with (device_memory_ratio, or resident_memory_ratio for B3).
     memory_ratio: float
+    #: This cell's value of each list-valued ablation axis (``ABLATION_AXES``); empty for a single-valued spec.
+    ablation: dict[str, float] = Field(default_factory=dict)
 
     @property
-    def identity(self) -> tuple[str, str, int, int, int]:
-        return (self.model, self.baseline, self.block_size, self.concurrency, self.repeat)
+    def identity(self) -> tuple:
+        """Upstream's ``(model, baseline, block_size, concurrency, repeat)``, plus the ablation values if any."""
+        base = (self.model, self.baseline, self.block_size, self.concurrency, self.repeat)
+        return base + tuple(sorted(self.ablation.items())) if self.ablation else base
+
+    @property
+    def group_model(self) -> str:
+        return group_model(self.model, self.ablation)
 
     @property
     def speculative(self) -> bool:
         return self.baseline in SPECULATIVE_BASELINES
+
+
+def group_model(model: str, ablation: dict[str, float] | None) -> str:
+    """The model part of a report group key: the model, and its ablation values when it has any (e.g.
+    ``mini-gpt-oss[expert_cache_fraction=0.25,emulated_h2d_gbps=0.05]``), so ``model|B{b}|c{c}`` stays upstream's
+    key for a single-valued spec."""
+    if not ablation:
+        return model
+    return f"{model}[" + ",".join(f"{k}={ablation[k]:g}" for k in ABLATION_AXES if k in ablation) + "]"
+
+
+def ablation_settings(spec: SweepSpec, model: ModelSpec) -> list[dict[str, float]]:
+    """Every combination of the list-valued ablation axes for ``model`` ([{}] for a single-valued spec)."""
+    axes: dict[str, list[float]] = {}
+    if isinstance(spec.memory.expert_cache_fraction, list):
+        axes["expert_cache_fraction"] = spec.memory.expert_cache_fraction
+    link = model.engine_options.get("emulated_h2d_gbps")
+    if isinstance(link, list):
+        axes["emulated_h2d_gbps"] = link
+    settings: list[dict[str, float]] = [{}]
+    for name, values in axes.items():
+        settings = [{**s, name: float(v)} for s in settings for v in values]
+    return settings
 
 
 def _digest(obj: Any) -> str:
@@ -293,21 +363,24 @@ def expand(spec: SweepSpec) -> list[Cell]:
                 max_new = spec.workload.resolve_max_new_tokens(largest if independent else block_size)
                 offloaded = baseline in OFFLOADED_BASELINES
                 ratio = spec.memory.device_memory_ratio if offloaded else spec.memory.resident_memory_ratio
-                for conc in spec.concurrency:
-                    for repeat in range(spec.repeats):
-                        fields = {
-                            "model": model.id,
-                            "draft": model.draft if baseline != "B0" else "",
-                            "baseline": baseline,
-                            "block_size": block_size,
-                            "concurrency": conc,
-                            "repeat": repeat,
-                            "block_sizes_covered": list(covered),
-                            "max_new_tokens": max_new,
-                            "offloaded": offloaded,
-                            "memory_ratio": ratio,
-                        }
-                        cells.append(Cell(cell_id=_cell_id(spec, model, fields), **fields))
+                for conc, repeat, ablation in itertools.product(
+                    spec.concurrency, range(spec.repeats), ablation_settings(spec, model)
+                ):
+                    fields = {
+                        "model": model.id,
+                        "draft": model.draft if baseline != "B0" else "",
+                        "baseline": baseline,
+                        "block_size": block_size,
+                        "concurrency": conc,
+                        "repeat": repeat,
+                        "block_sizes_covered": list(covered),
+                        "max_new_tokens": max_new,
+                        "offloaded": offloaded,
+                        "memory_ratio": ratio,
+                    }
+                    if ablation:  # only then: a single-valued spec keeps its cell ids
+                        fields["ablation"] = ablation
+                    cells.append(Cell(cell_id=_cell_id(spec, model, fields), **fields))
     return cells
 
 
@@ -362,7 +435,8 @@ def plan(spec: SweepSpec) -> dict[str, Any]:
         reason = blocked_reason(spec.engine, c)
         if reason:
             blocked.append({"cell_id": c.cell_id, "model": c.model, "baseline": c.baseline, "reason": reason})
-    upstream_rows = len(spec.models) * len(spec.baselines) * len(spec.block_sizes) * len(spec.concurrency)
+    settings = sum(len(ablation_settings(spec, m)) for m in spec.models)
+    upstream_rows = settings * len(spec.baselines) * len(spec.block_sizes) * len(spec.concurrency)
     counts = {
         "total": len(cells),
         "to_run": len(cells) - len(blocked),
@@ -376,12 +450,24 @@ def plan(spec: SweepSpec) -> dict[str, Any]:
     return {"cells": [c.model_dump(mode="json") for c in cells], "counts": counts, "blocked": blocked}
 
 
+def _list_axes(spec: SweepSpec) -> list[tuple[str, list]]:
+    axes = []
+    if isinstance(spec.memory.expert_cache_fraction, list):
+        axes.append((ABLATION_AXES["expert_cache_fraction"], spec.memory.expert_cache_fraction))
+    for m in spec.models:
+        link = m.engine_options.get("emulated_h2d_gbps")
+        if isinstance(link, list):
+            axes.append((f"{m.id} emulated_h2d_gbps", link))
+    return axes
+
+
 def render_plan(spec: SweepSpec, planned: dict[str, Any]) -> str:
     counts = planned["counts"]
     lines = [
         f"sweep {spec.name}: engine {spec.engine}, fingerprint {counts['fingerprint']}",
         f"axes: {len(spec.models)} models x {len(spec.baselines)} baselines x block sizes {spec.block_sizes} "
-        f"x concurrency {spec.concurrency} x {spec.repeats} repeats",
+        f"x concurrency {spec.concurrency} x {spec.repeats} repeats"
+        + "".join(f" x {where} {values}" for where, values in _list_axes(spec)),
         "",
         "cells per model x baseline:",
     ]

@@ -238,7 +238,7 @@ def place_rows(rows: Sequence[Row], sources: Sequence[str] | None = None) -> tup
             f" (row at block_size {row.block_size} shared across {list(covered)})" if shared else ""
         )
         for b in covered:
-            slot = (row.model, row.baseline, b, row.concurrency, row.repeat)
+            slot = (row.group_model, row.baseline, b, row.concurrency, row.repeat)
             if slot in seen:
                 raise InputError(
                     f"duplicate identity (model={row.model}, baseline={row.baseline}, block_size={b}, "
@@ -295,7 +295,7 @@ def _aggregated_row(group: Group, baseline: str, repeats: list[Placed], stats: d
     measured = [p for p in repeats if p.measured]
     drafts = sorted({p.row.draft for p in repeats})
     out: dict[str, Any] = {
-        "model": group.model,
+        "model": first.row.model,
         "draft": drafts[0] if len(drafts) == 1 else " | ".join(drafts),
         "baseline": baseline,
         "block_size": group.block_size,
@@ -328,6 +328,8 @@ def _aggregated_row(group: Group, baseline: str, repeats: list[Placed], stats: d
         out["warnings"] = warnings
     if any(p.row.status != Status.OK for p in repeats):
         out["repeat_statuses"] = {str(p.row.repeat): p.row.status.value for p in repeats}
+    if first.row.ablation:
+        out["ablation"] = dict(first.row.ablation)
     if first.shared:
         out["shared_across_block_sizes"] = list(first.shared)
         out["measured_at_block_size"] = first.row.block_size
@@ -340,7 +342,7 @@ def build_matrix(rows: Sequence[Row], sources: Sequence[str] | None = None) -> M
     placed, superseded = place_rows(rows, sources)
     groups: dict[tuple[str, int, int], Group] = {}
     for p in placed:
-        gid = (p.row.model, p.block_size, p.row.concurrency)
+        gid = (p.row.group_model, p.block_size, p.row.concurrency)
         group = groups.setdefault(gid, Group(*gid))
         group.by_baseline.setdefault(p.row.baseline, []).append(p)
     ordered = {g.key: g for _, g in sorted(groups.items())}

@@ -13,7 +13,7 @@ from typing import Any
 from pd_dflash.costmodel import bm1_summary, evaluate_hide_inequality
 from pd_dflash.report.aggregate import HIDE_TERMS, Group, Matrix, Placed, group_key
 from pd_dflash.schema import BLOCKED_STATUSES, FAILED_STATUSES, Status
-from pd_dflash.spec import Gates, SweepSpec
+from pd_dflash.spec import Gates, SweepSpec, ablation_settings, group_model
 from pd_dflash.upstream import BASELINE_ORDER, UPSTREAM_BASELINES
 
 PASS, FAIL, NOT_EVALUATED, DISABLED = "pass", "fail", "not evaluated", "disabled"
@@ -45,8 +45,9 @@ class Expectations:
         """From the spec when given; otherwise upstream's B0..B3 plus any baseline and repeat seen."""
         if spec is not None:
             grid = tuple(
-                (m.id, b, c)
+                (group_model(m.id, a), b, c)
                 for m in spec.models
+                for a in ablation_settings(spec, m)
                 for b in sorted(spec.block_sizes)
                 for c in sorted(spec.concurrency)
             )

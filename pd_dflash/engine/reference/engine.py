@@ -244,7 +244,8 @@ class ReferenceEngine(Engine):
         total = self.store.total_bytes
         if not cell.offloaded:
             return total
-        opts, frac = self.options, self.ctx.memory.expert_cache_fraction
+        opts = self.options
+        frac = cell.ablation.get("expert_cache_fraction", self.ctx.memory.expert_cache_fraction)
         if opts.expert_cache_bytes is not None:
             capacity, given = (
                 opts.expert_cache_bytes,
@@ -336,18 +337,19 @@ class ReferenceEngine(Engine):
                 LinkFacts("real", probe_bytes_per_second=self.probe_bytes_per_second),
             )
         else:
-            link = HostLink(opts.emulated_h2d_gbps, opts.emulated_latency_us)
+            gbps = self.emulated_gbps(cell)
+            link = HostLink(gbps, opts.emulated_latency_us)
             facts = LinkFacts(
                 link.kind,
-                emulated_gbps=opts.emulated_h2d_gbps,
-                emulated_latency_us=opts.emulated_latency_us if opts.emulated_h2d_gbps else None,
+                emulated_gbps=gbps,
+                emulated_latency_us=opts.emulated_latency_us if gbps else None,
             )
         cache = ExpertCache(
             self.store, capacity, self.device, self.compute_dtype, policy=opts.eviction, link=link
         )
         prefetcher = None
         if cell.baseline == "OURS":
-            rate = self.link_bytes_per_second()
+            rate = self.link_bytes_per_second(cell)
             width = CostAwareWidth(rate) if opts.verify_width == "cost_aware" and rate else None
             prefetcher = RouteAheadPrefetcher(
                 self.target,
@@ -366,14 +368,18 @@ class ReferenceEngine(Engine):
         runtime.attach(self.target.model)
         return runtime, facts
 
-    def link_bytes_per_second(self) -> float | None:
+    def emulated_gbps(self, cell: Cell) -> float | None:
+        """The cell's emulated link rate: its ablation value, else the model's option."""
+        return cell.ablation.get("emulated_h2d_gbps", self.options.emulated_h2d_gbps)
+
+    def link_bytes_per_second(self, cell: Cell) -> float | None:
         """The link's rate for one expert transfer, as the engine knows it before a cell: the emulated rate with
         its per-transfer latency, or the CUDA probe; None for an un-emulated host copy (no device link)."""
-        opts, nbytes = self.options, self.store.expert_nbytes
+        nbytes, gbps = self.store.expert_nbytes, self.emulated_gbps(cell)
         if self.device.type == "cuda":
             return self.probe_bytes_per_second
-        if opts.emulated_h2d_gbps:
-            return nbytes / (nbytes / (opts.emulated_h2d_gbps * 1e9) + opts.emulated_latency_us * 1e-6)
+        if gbps:
+            return nbytes / (nbytes / (gbps * 1e9) + self.options.emulated_latency_us * 1e-6)
         return None
 
     def _requests(self, cell: Cell, n: int, *, max_new: int, stream: int, tag: str) -> list[Request]:
