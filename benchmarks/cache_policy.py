@@ -40,7 +40,9 @@ def record(spec_path: str, baseline: str, block_size: int, concurrency: int, evi
     cells = [
         c
         for c in expand(spec)
-        if c.baseline == baseline and c.concurrency == concurrency and c.repeat == 0
+        if c.baseline == baseline
+        and c.concurrency == concurrency
+        and c.repeat == 0
         and (block_size in c.block_sizes_covered)
     ]
     if not cells:
@@ -73,8 +75,12 @@ def main() -> int:
     p.add_argument("--baseline", default="B1")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--eviction", default=None, help="the engine's eviction for the recorded cell (default: spec's)")
-    p.add_argument("--trace", default=None, help="replay this recorded trace (JSON) instead of running a cell")
+    p.add_argument(
+        "--eviction", default=None, help="the engine's eviction for the recorded cell (default: spec's)"
+    )
+    p.add_argument(
+        "--trace", default=None, help="replay this recorded trace (JSON) instead of running a cell"
+    )
     p.add_argument("--json", default=None, help="write the trace and the results here")
     args = p.parse_args()
     if args.trace:

@@ -331,7 +331,9 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--drafter", choices=("dflash", "early_exit"), default="dflash")
-    p.add_argument("--no-history", action="store_true", help="OURS predicts from route-ahead alone (ablation)")
+    p.add_argument(
+        "--no-history", action="store_true", help="OURS predicts from route-ahead alone (ablation)"
+    )
     p.add_argument(
         "--option",
         action="append",

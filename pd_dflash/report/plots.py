@@ -136,7 +136,9 @@ def ours_over_b1(matrix: Matrix) -> dict[tuple[str, int, int], dict[float, list[
         if ours is None or not b1:
             continue
         series = out.setdefault((placed[0].row.model, g.block_size, g.concurrency), {})
-        series.setdefault(ablation["emulated_h2d_gbps"], []).append((ablation["expert_cache_fraction"], ours / b1))
+        series.setdefault(ablation["emulated_h2d_gbps"], []).append(
+            (ablation["expert_cache_fraction"], ours / b1)
+        )
     return {k: {link: sorted(pts) for link, pts in sorted(v.items())} for k, v in sorted(out.items())}
 
 

@@ -26,7 +26,10 @@ POLICIES = ("lru", "lfu", "plan", "plan+prediction", "belady")
 def accesses(trace: Trace) -> list[tuple[int, int, Key]]:
     """The flat access sequence: (round, layer index in the round, key)."""
     return [
-        (r, i, (layer, e)) for r, rnd in enumerate(trace) for i, (layer, needed, _) in enumerate(rnd) for e in needed
+        (r, i, (layer, e))
+        for r, rnd in enumerate(trace)
+        for i, (layer, needed, _) in enumerate(rnd)
+        for e in needed
     ]
 
 

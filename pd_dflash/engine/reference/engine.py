@@ -173,7 +173,9 @@ class ReferenceEngine(Engine):
         runtime, link = self._runtime(cell, capacity)
         try:
             longest_prompt = max(len(r.prompt) for r in warm + timed)
-            scheduler = scheduler_for(cell, self.options, runtime, self.top_k, longest_prompt)
+            scheduler = scheduler_for(
+                cell, self.options, runtime, self.top_k, longest_prompt, self.link_bytes_per_second(cell)
+            )
             yield _CellSetup(
                 warm=warm,
                 timed=timed,

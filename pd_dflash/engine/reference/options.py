@@ -43,8 +43,9 @@ class ReferenceOptions(BaseModel):
     verify_width: Literal["cost_aware", "full"] = "cost_aware"
     #: Deficit schedulers (B2: tokens; OURS: tokens and expert bytes). Budgets are per scheduling step (one
     #: batched verify); caps bound the carried deficit and must be ≥ the largest single demand.
-    #: Defaults: tokens budget = c·B, tokens cap = max(2·budget, longest prompt, B); bytes budget = the
-    #: cell's expert-cache capacity, bytes cap = the largest route-ahead fetch one round can make.
+    #: Defaults: tokens budget = c·B, tokens cap = max(2·budget, longest prompt, B); bytes budget = a rate,
+    #: the link's bytes per second of wall time between steps (absent without a known link rate; a value here
+    #: fixes it per step instead), bytes cap = the largest route-ahead fetch one round can make.
     scheduler_budget_tokens: PositiveInt | None = None
     scheduler_cap_tokens: PositiveInt | None = None
     scheduler_budget_bytes: PositiveInt | None = None

@@ -93,7 +93,13 @@ class RouteAheadPrefetcher:
         self._sure: set[Key] = set()
         self._owners: list[tuple[object, int]] = []
         self._routed: dict[int, torch.Tensor] = {}
-        self.counters = {"issued": 0, "already_cached": 0, "waited_for_a_slot": 0, "late": 0, "history_issued": 0}
+        self.counters = {
+            "issued": 0,
+            "already_cached": 0,
+            "waited_for_a_slot": 0,
+            "late": 0,
+            "history_issued": 0,
+        }
 
     def describe(self) -> dict:
         return {
@@ -195,7 +201,7 @@ class RouteAheadPrefetcher:
             self.routes.pop(rid, None)
         self.predicted = {layer: frozenset(es) for layer, es in predicted.items()}
         keys = {(layer, e) for layer, es in predicted.items() for e in es}
-        cache.plan.predict(keys)
+        cache.plan.predict(keys & self._sure)  # the others are reserved once prefetched (``_pump``)
         self._enqueue(keys)
         self._pump(cache)
 
@@ -220,7 +226,8 @@ class RouteAheadPrefetcher:
         for rid, rows in self._owners:
             if rid not in finished and self._routed:
                 self.history[rid] = {
-                    layer: frozenset(torch.unique(r[row : row + rows]).tolist()) for layer, r in self._routed.items()
+                    layer: frozenset(torch.unique(r[row : row + rows]).tolist())
+                    for layer, r in self._routed.items()
                 }
             row += rows
         if not self.use_history:
@@ -267,10 +274,18 @@ class RouteAheadPrefetcher:
         self._last_end = now
 
     def _prediction(self, rid: object) -> dict[int, frozenset[int]]:
-        """route-ahead ∪ history of the request, per layer."""
+        """route-ahead ∪ history of the request, per layer; a layer predicted from its exact gate input takes
+        the router pass alone (it is the verify's routing: history would add only misses). Before the router
+        pass (between a verify and the next draft) it is the history."""
         route = self.routes.get(rid, {})
         hist = self.history.get(rid, {}) if self.use_history else {}
-        return {layer: route.get(layer, frozenset()) | hist.get(layer, frozenset()) for layer in self.layer_ids}
+        exact = self.exact.get(rid, frozenset()) if rid in self.routes else frozenset()
+        return {
+            layer: route.get(layer, frozenset())
+            if layer in exact
+            else route.get(layer, frozenset()) | hist.get(layer, frozenset())
+            for layer in self.layer_ids
+        }
 
     def _enqueue(self, keys) -> None:
         if self.issue:

@@ -42,13 +42,17 @@ class CostAwareWidth:
         """One verify round: (accepted drafts, verified rows) per verified block, its wall time and committed
         tokens."""
         for accepted, rows in outcomes:
-            for i in range(1, min(accepted + 1, rows - 1) + 1):  # rows 1..accepted+1 were reached, if verified
+            for i in range(
+                1, min(accepted + 1, rows - 1) + 1
+            ):  # rows 1..accepted+1 were reached, if verified
                 self.reached[i] += 1
                 self.passed[i] += i <= accepted
         if committed > 0 and seconds > 0:
             spt = seconds / committed
             s = self.smoothing
-            self.seconds_per_token = spt if self.seconds_per_token is None else (1 - s) * self.seconds_per_token + s * spt
+            self.seconds_per_token = (
+                spt if self.seconds_per_token is None else (1 - s) * self.seconds_per_token + s * spt
+            )
 
     def survival(self, i: int) -> float | None:
         """P(accepted ≥ i): the product of the measured per-position acceptance of rows 1..i (Kaplan-Meier: a
