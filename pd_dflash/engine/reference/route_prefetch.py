@@ -67,9 +67,12 @@ class RouteAheadPrefetcher:
         history: bool = True,
         width: CostAwareWidth | None = None,
         expert_nbytes: int = 0,
+        reuse_prefix: bool = True,
     ) -> None:
         layers = target.model.model.layers
         self.target, self.top_k, self.issue, self.use_history = target, top_k, issue, history
+        #: The verify resumes from the router pass's first-layer work (``decode.Prefix``) instead of redoing it.
+        self.reuse_prefix = reuse_prefix
         #: Cost-aware verify width (``verify_width.py``), or None: every block is verified whole.
         self.width, self.expert_nbytes = width, expert_nbytes
         self.layer_ids = list(layer_ids)
@@ -135,7 +138,7 @@ class RouteAheadPrefetcher:
         need = [b for b in blocks if first not in b.gate_inputs]
         if not need:
             return
-        gate, residual = self.target.first_gate_inputs(need, first)
+        gate, residual = self.target.first_gate_inputs(need, first, keep=self.reuse_prefix)
         row = 0
         for b in need:
             n = len(b.tokens)
@@ -250,6 +253,7 @@ class RouteAheadPrefetcher:
         keep = self.width.width(new_bytes_per_row(rows, cache.contains, self.expert_nbytes))
         if keep == len(block.tokens):
             return
+        self.target.release_prefix(block)
         block.tokens, block.drafts = block.tokens[:keep], block.drafts[: keep - 1]
         if block.draft_probs is not None:
             block.draft_probs = block.draft_probs[: keep - 1]

@@ -258,3 +258,44 @@ def test_early_exit_speculation_is_lossless_beyond_the_sliding_window(family, bl
         got = serve(SpeculativeDecoding(EarlyExitDrafter(target, 1), block_size), concurrency)
         assert got == want, concurrency
     rt.close()
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_the_verify_resuming_from_the_router_pass_is_bit_identical(family):
+    """Route-ahead's router pass keeps its first-layer work (``Prefix``); the verify resumes from it instead of
+    recomputing it: logits and KV caches equal, bit for bit, to a verify from scratch (two requests at once,
+    past gpt-oss's sliding window)."""
+    model = tiny_model(family, seed=1)
+    target = TargetModel(model, family_of(model.config), CPU)
+    prompts = [list(range(3, 15)), [7, 1, 9, 4, 22, 5, 5, 13, 2, 30]]
+
+    def requests():
+        out = []
+        for i, p in enumerate(prompts):
+            r = Request(f"r{i}", p, 8, cache=target.new_cache())
+            r.cache.activate_past_recording()  # as the engine does for speculative requests
+            target.forward([Block(r, p, len(p) - 1)])
+            out.append(r)
+        return out
+
+    blocks = lambda rs: [Block(r, [5, 6, 7, 8, 9, 10], 0) for r in rs]  # noqa: E731
+    plain, resumed = requests(), requests()
+    want, _ = target.forward(blocks(plain))
+    kept = blocks(resumed)
+    target.first_gate_inputs(kept, 0, keep=True)
+    assert all(b.prefix is not None for b in kept)
+    got, _ = target.forward(kept)
+    assert all(b.prefix is None for b in kept)  # consumed
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    for a, b in zip(plain, resumed, strict=True):
+        assert a.cached == b.cached
+        for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+            assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+    # A block verified with one that kept nothing: its prefix is dropped (KV rolled back), then recomputed.
+    mixed = requests()
+    first, second = blocks(mixed)
+    target.first_gate_inputs([first], 0, keep=True)
+    got, _ = target.forward([first, second])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
