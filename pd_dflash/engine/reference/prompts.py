@@ -125,6 +125,31 @@ def encode_prompts(
     return out
 
 
+def needs_chat_template(model_id: str, model_type: str | None) -> bool:
+    """Instruct targets: an ``-Instruct``/``-Chat`` id, or gpt-oss (released for chat only, harmony format)."""
+    name = model_id.lower()
+    return "instruct" in name or "chat" in name or model_type == "gpt_oss"
+
+
+def select(prompts: Sequence[list[int]], n: int, seed: int) -> list[list[int]]:
+    """``n`` prompts from a seeded permutation, cycled when ``n`` exceeds them."""
+    import numpy as np
+
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    return [list(prompts[order[i % len(prompts)]]) for i in range(n)]
+
+
+def prompt_facts(source: str, chat: bool, requests: Sequence[Any]) -> dict[str, Any]:
+    """The row's ``engine.prompts``: where the timed requests' prompts came from and their token counts."""
+    return {
+        "source": source,
+        "chat_template": chat,
+        "requests": len(requests),
+        "prompt_tokens": token_counts([len(r.prompt) for r in requests]),
+        "output_tokens": token_counts([len(r.output) for r in requests]),
+    }
+
+
 def token_counts(lengths: Sequence[int]) -> dict[str, float | int] | None:
     """Total, mean, min and max of per-request token counts (None without requests)."""
     if not lengths:

@@ -135,3 +135,19 @@ def test_ids_outside_the_vocabulary_are_refused(tmp_path):
 def test_token_counts():
     assert token_counts([3, 5, 10]) == {"total": 18, "mean": 6.0, "min": 3, "max": 10}
     assert token_counts([]) is None
+
+
+def test_the_spec_names_an_empty_file_source():
+    from pd_dflash.spec import parse_spec
+
+    spec = {
+        "name": "p",
+        "models": [{"id": "micro"}],
+        "baselines": ["B0"],
+        "block_sizes": [8],
+        "concurrency": [1],
+    }
+    spec["workload"] = {"prompts": "file:"}
+    with pytest.raises(InputError, match=r"workload\.prompts: file: needs a path"):
+        parse_spec(spec)
+    assert parse_spec({**spec, "workload": {"prompts": "humaneval"}}).workload.prompts == "humaneval"

@@ -28,14 +28,15 @@ class DFlashSource:
     kind = "dflash"
 
     def __init__(self, drafter: DFlashDrafter, facts: dict[str, Any], *, route_ahead: bool = False) -> None:
-        self.drafter, self.facts, self.route_ahead = drafter, facts, route_ahead
+        self.drafter, self.route_ahead = drafter, route_ahead
+        #: This source's facts (a copy per cell), kept current: the row reads them after the cell.
+        self.facts = {**facts, "peak_draft_kv_bytes": 0}
         self.layer_ids = tuple(drafter.config.target_layer_ids)
         self.capture = tuple(i + 1 for i in self.layer_ids)
         self.kv: dict[Any, DraftKV] = {}
-        self.peak_kv_bytes = 0
 
     def describe(self) -> dict[str, Any]:
-        return {**self.facts, "peak_draft_kv_bytes": self.peak_kv_bytes}
+        return self.facts
 
     def observe(self, request: Request, rows: dict[int, torch.Tensor]) -> None:
         feats = torch.cat([rows[i] for i in self.capture], dim=-1)
@@ -58,7 +59,8 @@ class DFlashSource:
             rows.append(DraftRows(kv, context, r.output[-1]))
             r.features = None  # now in the drafter KV
         hidden = self.drafter(rows, block_size)
-        self.peak_kv_bytes = max(self.peak_kv_bytes, sum(kv.nbytes for kv in self.kv.values()))
+        kv_bytes = sum(kv.nbytes for kv in self.kv.values())
+        self.facts["peak_draft_kv_bytes"] = max(self.facts["peak_draft_kv_bytes"], kv_bytes)
         logits = self.drafter.logits(hidden[:, 1:])
         q = probabilities(logits, temperature) if temperature > 0 else None
         out = []
