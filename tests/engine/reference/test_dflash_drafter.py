@@ -242,3 +242,10 @@ def test_blocks_larger_than_the_trained_block_run(tmp_path, target):
     assert facts["trained_block_size"] == 4
     hidden = drafter([DraftRows(DraftKV(), torch.randn(3, 64), 5)], 16)
     assert hidden.shape == (1, 16, 32) and torch.isfinite(hidden).all()
+
+
+def test_a_non_numeric_scale_is_named():
+    raw = tiny_drafter_config(TARGET)
+    raw["dflash_config"]["output_multiplier"] = "2"
+    with pytest.raises(InputError, match="dflash_config.output_multiplier must be a number"):
+        parse_drafter_config(raw, "c.json")

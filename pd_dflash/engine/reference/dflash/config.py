@@ -75,8 +75,57 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def parse_drafter_config(raw: Mapping[str, Any], where: str) -> DFlashConfig:
-    """The drafter config of a published ``config.json`` (``where``: that file, for the errors)."""
+class _Fields:
+    """Reads a drafter config's fields as the official package does (``dflash_config`` first, then the top
+    level); a field of the wrong type is an InputError naming it."""
+
+    def __init__(self, raw: Mapping[str, Any], dflash: dict[str, Any], where: str) -> None:
+        self.raw, self.dflash, self.where = raw, dflash, where
+
+    def value(self, name: str, default: Any = None) -> Any:
+        return self.dflash.get(name, self.raw.get(name, default))
+
+    def field(self, name: str) -> str:
+        return f"dflash_config.{name}" if name in self.dflash else name
+
+    def integer(self, name: str, default: Any = None, *, low: int = 1) -> int:
+        got = self.value(name, default)
+        if isinstance(got, bool) or not isinstance(got, int) or got < low:
+            raise InputError(f"{self.field(name)} must be an integer ≥ {low}, got {got!r}", where=self.where)
+        return got
+
+    def number(self, name: str, default: float | None) -> float | None:
+        got = self.value(name, default)
+        if got is None:
+            return None
+        if isinstance(got, bool) or not isinstance(got, int | float):
+            raise InputError(f"{self.field(name)} must be a number, got {got!r}", where=self.where)
+        return float(got)
+
+    def layer_ids(self, layers: int, num_target: int | None) -> tuple[int, ...]:
+        ids = self.value("target_layer_ids")
+        if ids is None:
+            if num_target is None:
+                raise InputError(
+                    "dflash_config.target_layer_ids (or num_target_layers) is required", where=self.where
+                )
+            ids = build_target_layer_ids(num_target, layers)
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
+        ):
+            raise InputError(
+                f"dflash_config.target_layer_ids must be a non-empty list of integers, got {ids!r}",
+                where=self.where,
+            )
+        if len(set(ids)) != len(ids):
+            raise InputError(f"dflash_config.target_layer_ids {ids} repeats a layer", where=self.where)
+        return tuple(ids)
+
+
+def _dflash_section(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The ``dflash_config`` object of a DFlashDraftModel config (other architectures are refused)."""
     dflash = raw.get("dflash_config")
     if not isinstance(dflash, dict):
         raise InputError("no dflash_config object: not a DFlash drafter config", where=where)
@@ -85,20 +134,18 @@ def parse_drafter_config(raw: Mapping[str, Any], where: str) -> DFlashConfig:
         raise InputError(f"architectures {arch}: {UNSUPPORTED[arch[0]]}", where=where)
     if arch[0] != ARCHITECTURE:
         raise InputError(f"architectures {arch}: expected [{ARCHITECTURE!r}]", where=where)
+    return dflash
 
-    def value(name: str, default: Any = None) -> Any:
-        return dflash.get(name, raw.get(name, default))
 
-    def integer(name: str, default: Any = None, *, low: int = 1) -> int:
-        got = value(name, default)
-        if isinstance(got, bool) or not isinstance(got, int) or got < low:
-            field = f"dflash_config.{name}" if name in dflash else name
-            raise InputError(f"{field} must be an integer ≥ {low}, got {got!r}", where=where)
-        return got
-
-    hidden, heads = integer("hidden_size"), integer("num_attention_heads")
-    layers = integer("num_hidden_layers")
-    kv_heads = integer("num_key_value_heads", heads)
+def parse_drafter_config(raw: Mapping[str, Any], where: str) -> DFlashConfig:
+    """The drafter config of a published ``config.json`` (``where``: that file, for the errors)."""
+    f = _Fields(raw, _dflash_section(raw, where), where)
+    hidden, heads, layers = (
+        f.integer("hidden_size"),
+        f.integer("num_attention_heads"),
+        f.integer("num_hidden_layers"),
+    )
+    kv_heads = f.integer("num_key_value_heads", heads)
     if heads % kv_heads:
         raise InputError(
             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}", where=where
@@ -108,43 +155,27 @@ def parse_drafter_config(raw: Mapping[str, Any], where: str) -> DFlashConfig:
         raise InputError(
             f"hidden_act {act!r} is not supported (supported: {SUPPORTED_ACTIVATIONS})", where=where
         )
-    num_target = value("num_target_layers")
-    num_target = None if num_target is None else integer("num_target_layers")
-    ids = value("target_layer_ids")
-    if ids is None:
-        if num_target is None:
-            raise InputError("dflash_config.target_layer_ids (or num_target_layers) is required", where=where)
-        ids = build_target_layer_ids(num_target, layers)
-    if (
-        not isinstance(ids, list)
-        or not ids
-        or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
-    ):
-        raise InputError(
-            f"dflash_config.target_layer_ids must be a non-empty list of integers, got {ids!r}", where=where
-        )
-    if len(set(ids)) != len(ids):
-        raise InputError(f"dflash_config.target_layer_ids {ids} repeats a layer", where=where)
-    if value("mask_token_id") is None:
+    num_target = None if f.value("num_target_layers") is None else f.integer("num_target_layers")
+    if f.value("mask_token_id") is None:
         raise InputError("dflash_config.mask_token_id is required (the token filling the block)", where=where)
-    softcap = value("final_logit_softcapping")
+    softcap = f.number("final_logit_softcapping", None)
     return DFlashConfig(
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=integer("head_dim", hidden // heads),
-        intermediate_size=integer("intermediate_size"),
-        vocab_size=None if raw.get("vocab_size") is None else integer("vocab_size"),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        head_dim=f.integer("head_dim", hidden // heads),
+        intermediate_size=f.integer("intermediate_size"),
+        vocab_size=None if raw.get("vocab_size") is None else f.integer("vocab_size"),
+        rms_norm_eps=f.number("rms_norm_eps", 1e-6),
         attention_bias=bool(raw.get("attention_bias", False)),
         num_target_layers=num_target,
-        target_layer_ids=tuple(ids),
-        mask_token_id=integer("mask_token_id", low=0),
-        block_size=integer("block_size", DEFAULT_BLOCK_SIZE, low=2),
-        input_embedding_scale=float(value("input_embedding_scale", 1.0)),
-        output_multiplier=float(value("output_multiplier", 1.0)),
-        final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
+        target_layer_ids=f.layer_ids(layers, num_target),
+        mask_token_id=f.integer("mask_token_id", low=0),
+        block_size=f.integer("block_size", DEFAULT_BLOCK_SIZE, low=2),
+        input_embedding_scale=f.number("input_embedding_scale", 1.0),
+        output_multiplier=f.number("output_multiplier", 1.0),
+        final_logit_softcapping=None if softcap is None or softcap <= 0 else softcap,
     )
 
 
