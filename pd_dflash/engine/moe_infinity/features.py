@@ -1,7 +1,8 @@
 """What the installed MoE-Infinity build can express, found by introspection (never by version strings).
 
-MoE-Infinity's serving and speculative-decoding surface moved a lot across its development branches
-(research/upstream-phase-a.md §6.4, §8). The adapter runs a configuration only when the build can express it,
+MoE-Infinity's serving and speculative-decoding surface moved a lot across its development branches (verify
+budgets in the serving scheduler, the per-round speculator seam, persistent speculative sessions; docs/moe-infinity.md).
+The adapter runs a configuration only when the build can express it,
 and otherwise returns a BLOCKED/REFUSED row that names the missing piece; it never substitutes another path.
 """
 

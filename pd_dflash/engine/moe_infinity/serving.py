@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +112,72 @@ class RoundLog:
     whole_request_generates: int = 0
 
 
+def _record_commit(log: RoundLog, result: Any) -> None:
+    """One verify result: its ``accept`` (accepted drafts) gives accept + 1 committed tokens; never guessed."""
+    accept = getattr(result, "accept", None)
+    if isinstance(accept, int) and not isinstance(accept, bool):
+        log.committed.append(accept + 1)
+    else:
+        log.missing_accept += 1
+
+
+def _record_draft(log: RoundLog, result: Any) -> None:
+    nbytes = getattr(result, "expert_bytes", None)
+    if isinstance(nbytes, int) and not isinstance(nbytes, bool):
+        log.demand_bytes.append(nbytes)
+
+
+def _timed_seam(
+    fn: Callable,
+    range_name: str,
+    sink: list[float],
+    observe: Callable[[Any], None],
+    *,
+    push_nvtx: bool,
+    clock,
+) -> Callable:
+    """``fn`` timed into ``sink``, inside the NVTX range when the adapter emits it, its result observed."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = clock()
+        with nvtx_range(range_name) if push_nvtx else nullcontext():
+            result = fn(*args, **kwargs)
+        sink.append(clock() - start)
+        observe(result)
+        return result
+
+    return wrapper
+
+
+def _whole_request_seam(fn: Callable, speculator: Any, log: RoundLog) -> Callable:
+    """``generate`` runs a request to completion; its rounds are read from the speculator's ``step_trace``."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        log.whole_request_generates += 1
+        for step in getattr(speculator, "step_trace", None) or []:
+            _record_commit(log, step)
+        return result
+
+    return wrapper
+
+
+@contextmanager
+def patched(obj: Any, wrappers: dict[str, Callable]) -> Iterator[None]:
+    """Install ``wrappers`` as instance attributes of ``obj``; restore what was there afterwards."""
+    previous = {name: vars(obj).get(name, _MISSING) for name in wrappers}
+    for name, wrapper in wrappers.items():
+        setattr(obj, name, wrapper)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
+
 @contextmanager
 def record_rounds(speculator: Any, *, push_nvtx: bool, clock=time.perf_counter) -> Iterator[RoundLog]:
     """Wrap the speculator's per-round seam on the instance; restore it afterwards.
@@ -120,65 +186,20 @@ def record_rounds(speculator: Any, *, push_nvtx: bool, clock=time.perf_counter) 
     itself (nested duplicates would double nsys's per-range sums).
     """
     log = RoundLog()
-    originals: dict[str, Any] = {}
-
-    def install(name: str, make: Callable[[Callable], Callable]) -> None:
+    seams = (
+        ("draft_round", "dflash_draft", log.draft_seconds, lambda r: _record_draft(log, r)),
+        ("verify_round", "target_verify", log.verify_seconds, lambda r: _record_commit(log, r)),
+    )
+    wrappers: dict[str, Callable] = {}
+    for name, range_name, sink, observe in seams:
         fn = getattr(speculator, name, None)
         if callable(fn):
-            originals[name] = vars(speculator).get(name, _MISSING)
-            setattr(speculator, name, make(fn))
-
-    def timed(name: str, sink: list[float]) -> Callable[[Callable], Callable]:
-        def make(fn: Callable) -> Callable:
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                start = clock()
-                if push_nvtx:
-                    with nvtx_range(name):
-                        result = fn(*args, **kwargs)
-                else:
-                    result = fn(*args, **kwargs)
-                sink.append(clock() - start)
-                if name == "target_verify":
-                    accept = getattr(result, "accept", None)
-                    if isinstance(accept, int) and not isinstance(accept, bool):
-                        log.committed.append(accept + 1)
-                    else:
-                        log.missing_accept += 1
-                elif name == "dflash_draft":
-                    nbytes = getattr(result, "expert_bytes", None)
-                    if isinstance(nbytes, int) and not isinstance(nbytes, bool):
-                        log.demand_bytes.append(nbytes)
-                return result
-
-            return wrapper
-
-        return make
-
-    def whole_request(fn: Callable) -> Callable:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            result = fn(*args, **kwargs)
-            log.whole_request_generates += 1
-            for step in getattr(speculator, "step_trace", None) or []:
-                accept = getattr(step, "accept", None)
-                if isinstance(accept, int) and not isinstance(accept, bool):
-                    log.committed.append(accept + 1)
-                else:
-                    log.missing_accept += 1
-            return result
-
-        return wrapper
-
-    install("draft_round", timed("dflash_draft", log.draft_seconds))
-    install("verify_round", timed("target_verify", log.verify_seconds))
-    install("generate", whole_request)
-    try:
+            wrappers[name] = _timed_seam(fn, range_name, sink, observe, push_nvtx=push_nvtx, clock=clock)
+    generate = getattr(speculator, "generate", None)
+    if callable(generate):
+        wrappers["generate"] = _whole_request_seam(generate, speculator, log)
+    with patched(speculator, wrappers):
         yield log
-    finally:
-        for name, previous in originals.items():
-            if previous is _MISSING:
-                delattr(speculator, name)
-            else:
-                setattr(speculator, name, previous)
 
 
 _MISSING = object()
@@ -211,22 +232,15 @@ def track_kv_peak(serving: Any) -> Iterator[KVPeak | None]:
         total = getattr(kv_cache, "num_blocks", None)
     peak = KVPeak(allocator, total if isinstance(total, int) else None)
     allocate = getattr(allocator, "allocate", None)
-    wrapped_allocate = callable(allocate) and hasattr(allocator, "__dict__")  # slotted: sample per step only
-    previous = vars(allocator).get("allocate", _MISSING) if wrapped_allocate else _MISSING
-    if wrapped_allocate:
+    wrappers: dict[str, Callable] = {}
+    if callable(allocate) and hasattr(allocator, "__dict__"):  # slotted: sample per step only
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             result = allocate(*args, **kwargs)
             peak.sample()
             return result
 
-        allocator.allocate = wrapped
+        wrappers["allocate"] = wrapped
     peak.sample()
-    try:
+    with patched(allocator, wrappers):
         yield peak
-    finally:
-        if wrapped_allocate:
-            if previous is _MISSING:
-                del allocator.allocate
-            else:
-                allocator.allocate = previous

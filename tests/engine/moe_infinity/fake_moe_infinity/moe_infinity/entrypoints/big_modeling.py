@@ -21,7 +21,7 @@ from moe_infinity._world import (
 )
 from moe_infinity.runtime import OffloadEngine
 
-#: MoE-Infinity's native engine keeps process-global state: a second load in one process fails (§9.8).
+#: MoE-Infinity's native engine keeps process-global state: a second load in one process fails.
 _NATIVE = {"loads": 0}
 #: At or above this ratio every expert fits on the "device" (upstream: gpt-oss offloads only below 0.9).
 RESIDENT_RATIO = 0.9

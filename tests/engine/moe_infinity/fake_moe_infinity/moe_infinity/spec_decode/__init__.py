@@ -1,7 +1,7 @@
 """Fake ``DFlashSpeculator`` with upstream's route-ahead statistics and per-round session seam.
 
-Greedy accept rule (upstream §8): the verify accepts the leading drafts the target agrees with, emits them plus
-one bonus token, and caches anchor + accepted drafts. Route-ahead (upstream §3): during verify, each layer pins
+Greedy accept rule: the verify accepts the leading drafts the target agrees with, emits them plus
+one bonus token, and caches anchor + accepted drafts. Route-ahead: during verify, each layer pins
 and prefetches the routed expert union of the block through the prefetcher bound by
 ``_resolve_route_ahead_prefetcher``; with no prefetcher the layer reports predicted = [].
 """

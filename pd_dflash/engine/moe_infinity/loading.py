@@ -1,0 +1,184 @@
+"""Loading one MoE-Infinity model into a runner process: device check, ``MoE(...)``, drafter, tokenizer.
+
+MoE-Infinity's native engine keeps process-global state that does not survive a second in-process load, so a
+runner process holds exactly one load (``_PROCESS_LOAD``); the orchestrator restarts the runner on a model
+switch. A device the spec's hardware requirement rejects is not an error: the load is skipped and every cell of
+the runner is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd_dflash.engine import nvml
+from pd_dflash.engine.interface import EngineContext
+from pd_dflash.engine.moe_infinity import metrics as m
+from pd_dflash.engine.moe_infinity.features import Build, detect
+from pd_dflash.engine.moe_infinity.options import MoEInfinityOptions
+from pd_dflash.errors import InputError
+
+#: Environment the runner applies from ``spec.env`` before MoE-Infinity is imported; recorded as seen.
+IMPORT_ENV_KEYS = (
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "TRANSFORMERS_CACHE",
+    "MOE_ENABLE_SM120",
+    "MOE_PREFETCH_ISSUE_MODE",
+    "CUDA_VISIBLE_DEVICES",
+)
+
+#: What this process loaded ("model (group load)"); a second load is refused (one model per process).
+_PROCESS_LOAD: str | None = None
+
+
+@dataclass
+class DeviceCheck:
+    """The device the runner sees, against the spec's hardware requirement."""
+
+    facts: dict[str, Any]
+    #: Why the device is rejected (every cell is then refused), or None.
+    refusal: str | None = None
+    #: Probed host→device bytes/s (CUDA only).
+    h2d: float | None = None
+
+
+@dataclass
+class Loaded:
+    """One MoE-Infinity model as this runner loaded it, and the facts every row records."""
+
+    moe: Any
+    speculator: Any
+    tokenizer: Any
+    build: Build
+    num_offloaded: int
+    draft_block_size: int | None
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def check_device(ctx: EngineContext) -> DeviceCheck:
+    """Exactly one visible CUDA device matching the spec's hardware requirement; probe H2D once."""
+    if not ctx.device.startswith("cuda"):
+        return DeviceCheck({"device_check": f"device {ctx.device}: not a CUDA device, nothing validated"})
+    import torch
+
+    from pd_dflash.engine.probe import measure_h2d_bytes_per_second
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device {ctx.device} requested but CUDA is not available in this runner")
+    count = torch.cuda.device_count()
+    if count != 1:
+        raise RuntimeError(
+            f"MoE-Infinity runners need exactly one visible CUDA device, found {count}: the runner must see "
+            "only the GPU Ray assigned to it (CUDA_VISIBLE_DEVICES=<one id>)"
+        )
+    hw = ctx.hardware
+    check = nvml.validate_device(hw.expected_gpu_name, hw.compute_capability)
+    name, capability = torch.cuda.get_device_name(0), tuple(torch.cuda.get_device_capability(0))
+    problems = [] if check.ok else [check.note]
+    if hw.compute_capability and capability != tuple(hw.compute_capability):
+        problems.append(
+            f"torch reports compute capability {capability}, spec requires {hw.compute_capability}"
+        )
+    if hw.expected_gpu_name and hw.expected_gpu_name.lower() not in name.lower():
+        problems.append(f"torch reports {name!r}, spec requires a name containing {hw.expected_gpu_name!r}")
+    facts = {
+        "device_check": check.note,
+        "device_identity": check.identity,
+        "torch_device": [name, list(capability)],
+    }
+    if problems:
+        refusal = (
+            "device rejected by the spec's hardware requirement: "
+            + "; ".join(dict.fromkeys(problems))
+            + " (set hardware.gpu_name / hardware.compute_capability to run on another GPU)"
+        )
+        return DeviceCheck(facts, refusal=refusal)
+    h2d = measure_h2d_bytes_per_second(ctx.device)
+    return DeviceCheck({**facts, "h2d_probe_bytes_per_second": h2d}, h2d=h2d)
+
+
+def _claim_process(ctx: EngineContext) -> None:
+    global _PROCESS_LOAD
+    if _PROCESS_LOAD is not None:
+        raise RuntimeError(
+            f"MoE-Infinity already loaded {_PROCESS_LOAD} in this process (pid {os.getpid()}); its native "
+            "engine keeps process-global state that does not survive a second in-process load, so pd-dflash "
+            "runs one MoE-Infinity model per runner process (restart the runner to load another)"
+        )
+    if not ctx.model.offload_dir:
+        raise InputError(
+            "MoE-Infinity needs models[].offload_dir (where it stores offloaded experts)",
+            where=f"models[{ctx.model.id}].offload_dir",
+        )
+    _PROCESS_LOAD = f"{ctx.model.id} ({ctx.load_group} load)"
+
+
+def _import_moe_infinity() -> tuple[Build, dict[str, Any]]:
+    """Import MoE-Infinity (after the runner applied spec.env) and describe the build."""
+    imported_before = "moe_infinity" in sys.modules
+    facts: dict[str, Any] = {
+        "import_environment": {k: os.environ[k] for k in IMPORT_ENV_KEYS if k in os.environ}
+    }
+    import moe_infinity  # after the runner applied spec.env (HF_HOME, offline flags)
+
+    build = detect(moe_infinity)
+    facts.update(version=build.version, fake=build.fake, features=build.as_dict())
+    if imported_before:
+        facts["import_note"] = "moe_infinity was imported before the engine; spec.env may not apply"
+    return build, facts
+
+
+def _load_speculator(moe: Any, draft: str, options: MoEInfinityOptions) -> Any:
+    import torch
+    from moe_infinity.spec_decode import DFlashSpeculator
+
+    speculator = DFlashSpeculator(moe, draft, dtype=getattr(torch, options.draft_dtype))
+    enable = getattr(speculator, "enable_route_ahead_stats", None)
+    if callable(enable):
+        enable()
+    return speculator
+
+
+def nvtx_placement(build: Build) -> dict[str, str]:
+    """Who emits each upstream range: MoE-Infinity itself (its ``spec_decode/_nvtx.py``), this adapter, or nobody."""
+    around = "adapter, around DFlashSpeculator.{}".format
+    library = build.library_nvtx
+    return {
+        "dflash_draft": "library" if library else around("draft_round"),
+        "target_verify": "library" if library else around("verify_round"),
+        "route_ahead_router": "library (gpt-oss router) when the build emits it; inside the forward, "
+        "not placeable by the adapter",
+        "route_ahead_issue": "inside MoE-Infinity's prefetcher; only the library can emit it",
+        "expert_h2d": "inside MoE-Infinity's native copy engine; only the library can emit it",
+    }
+
+
+def load(ctx: EngineContext, options: MoEInfinityOptions, ratio: float) -> Loaded:
+    """``MoE(model, config)`` at ``ratio``, the DFlash speculator (shared load only) and the tokenizer."""
+    _claim_process(ctx)
+    model = ctx.model
+    build, facts = _import_moe_infinity()
+    from moe_infinity import MoE
+
+    start = time.perf_counter()
+    moe = MoE(
+        model.id, {**options.moe_config, "offload_path": model.offload_dir, "device_memory_ratio": ratio}
+    )
+    num_offloaded = m.offloaded_experts(moe.engine)
+    facts.update(num_offloaded_experts=num_offloaded, total_expert_bytes=m.total_expert_bytes(moe.engine))
+    speculator, draft_block_size = None, None
+    if ctx.load_group != "resident" and model.draft:
+        speculator = _load_speculator(moe, model.draft, options)
+        draft_block_size = int(speculator.config.block_size)
+        facts.update(draft=model.draft, draft_block_size=draft_block_size)
+    from transformers import AutoTokenizer
+
+    source = options.tokenizer or model.id
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=True, local_files_only=True)
+    facts.update(load_seconds=time.perf_counter() - start, nvtx=nvtx_placement(build))
+    return Loaded(moe, speculator, tokenizer, build, num_offloaded, draft_block_size, facts)
