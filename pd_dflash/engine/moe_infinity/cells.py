@@ -45,8 +45,24 @@ def _check_load_group(ctx: EngineContext, cell: Cell) -> None:
         )
 
 
-def _check_offload(loaded: Loaded, cell: Cell, ratio: float) -> None:
-    """Upstream's refusal rule, and B3's capacity."""
+def _check_applied_ratio(loaded: Loaded, cell: Cell, requested: float) -> None:
+    """B3 means every expert resident at the resident ratio: a ratio the library cut is not B3."""
+    applied = loaded.applied_ratio
+    if cell.offloaded or applied is None or abs(applied - requested) <= 1e-9:
+        return
+    kv = loaded.facts.get("kv_cache_memory_ratio")
+    raise Refused(
+        Status.REFUSED,
+        f"B3 needs every expert resident at resident_memory_ratio={requested}, but MoE-Infinity applied "
+        f"device_memory_ratio={applied} (ArcherConfig reserves kv_cache_memory_ratio={kv} for its native KV cache "
+        "and cuts the device ratio so that both sum to at most 1); set memory.resident_memory_ratio below 1.0 so "
+        "the adapter can pin it",
+    )
+
+
+def _check_offload(loaded: Loaded, cell: Cell, requested: float) -> None:
+    """Upstream's refusal rule, and B3's capacity (at the ratio MoE-Infinity applied)."""
+    ratio = loaded.applied_ratio if loaded.applied_ratio is not None else requested
     if cell.offloaded and loaded.num_offloaded <= 0:
         raise Refused(
             Status.REFUSED,
@@ -108,13 +124,22 @@ def _check_route_ahead_switch(loaded: Loaded, cell: Cell) -> None:
 
 
 def _check_concurrency(ctx: EngineContext, loaded: Loaded, cell: Cell) -> None:
-    sessions = _sessions(loaded)
-    if cell.concurrency > 1 and not (sessions and loaded.build.persistent_sessions):
+    sessions, build = _sessions(loaded), loaded.build
+    if cell.concurrency > 1 and not build.persistent_sessions:
         raise Refused(
             Status.REFUSED,
-            f"concurrency {cell.concurrency}: this MoE-Infinity build runs a speculative request to completion "
-            "inside one serving step (no persistent speculative sessions), and a multi-request batch would "
-            "silently decode autoregressively; only c=1 can be measured",
+            f"concurrency {cell.concurrency}: this MoE-Infinity build predates persistent speculative sessions "
+            "(pre-#173: ContinuousBatchingEngine has no speculative_sessions), so a speculative request runs to "
+            "completion inside one serving step and a multi-request batch would silently decode "
+            "autoregressively; only c=1 can be measured. The concurrency sweep needs a post-#173 build "
+            "(docs/moe-infinity.md)",
+        )
+    if cell.concurrency > 1 and not sessions:
+        raise Refused(
+            Status.REFUSED,
+            f"concurrency {cell.concurrency}: persistent speculative sessions need the verify-round scheduler "
+            "and DFlashSpeculator's begin_session/draft_round/verify_round, which this build lacks, and a "
+            "multi-request batch would silently decode autoregressively; only c=1 can be measured",
         )
     if not sessions and ctx.workload.temperature > 0:
         raise Refused(
@@ -125,6 +150,7 @@ def _check_concurrency(ctx: EngineContext, loaded: Loaded, cell: Cell) -> None:
 def gate(ctx: EngineContext, loaded: Loaded, cell: Cell, ratio: float) -> None:
     """Raise Refused when the loaded build cannot run ``cell`` as labelled (RuntimeError for a routing bug)."""
     _check_load_group(ctx, cell)
+    _check_applied_ratio(loaded, cell, ratio)
     _check_offload(loaded, cell, ratio)
     if not cell.speculative:
         return

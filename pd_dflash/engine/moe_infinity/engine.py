@@ -81,5 +81,8 @@ class MoEInfinityEngine(Engine):
         assert loaded is not None  # no refusal means the model was loaded
         cells.gate(self.ctx, loaded, cell, self.ratio)
         plan = cells.plan(self.options, loaded, cell, self.h2d)
-        observation = measure.measure(self.ctx, self.options, loaded, cell, plan, self.ratio, self.cuda)
-        return results.assemble(self.ctx, self.describe(), cell, plan, observation, self.h2d, self.cuda)
+        ratio = loaded.applied_ratio if loaded.applied_ratio is not None else self.ratio
+        observation = measure.measure(self.ctx, self.options, loaded, cell, plan, ratio, self.cuda)
+        return results.assemble(
+            self.ctx, loaded, self.describe(), cell, plan, observation, self.h2d, self.cuda
+        )

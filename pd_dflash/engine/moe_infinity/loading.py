@@ -21,16 +21,28 @@ from pd_dflash.engine.moe_infinity.features import Build, detect
 from pd_dflash.engine.moe_infinity.options import MoEInfinityOptions
 from pd_dflash.errors import InputError
 
-#: Environment the runner applies from ``spec.env`` before MoE-Infinity is imported; recorded as seen.
+#: Run-time environment the runner applies from ``spec.env`` before MoE-Infinity is imported; recorded as seen.
 IMPORT_ENV_KEYS = (
     "HF_HOME",
     "HF_HUB_OFFLINE",
     "TRANSFORMERS_OFFLINE",
     "TRANSFORMERS_CACHE",
-    "MOE_ENABLE_SM120",
-    "MOE_PREFETCH_ISSUE_MODE",
     "CUDA_VISIBLE_DEVICES",
+    "MOE_DISABLE_FUSED_KERNELS",
+    "MOE_DISABLE_CUDA_GRAPHS",
+    "MOE_INFINITY_MXFP4_DEQUANT",
 )
+_BUILD_TIME = "MoE-Infinity reads it only at build time (setup.py compiles the extensions with it)"
+#: Variables that do nothing in a runner, and why (MoE-Infinity's setup.py and docs/environment-variables.md).
+INEFFECTIVE_ENV = {
+    "MOE_ENABLE_SM120": f"{_BUILD_TIME}: build with it to get sm_120 kernels",
+    "MOE_ENABLE_SM90": _BUILD_TIME,
+    "NVTX_DISABLE": _BUILD_TIME,
+    "CUTLASS_DIR": _BUILD_TIME,
+    "MOE_PREFETCH_ISSUE_MODE": "no MoE-Infinity code reads it (upstream's BM5 script set it)",
+}
+#: ``ArcherConfig``'s default native KV share (its ``__post_init__`` auto-sets it when the field is 0.0).
+NATIVE_KV_RATIO = 0.15
 
 #: What this process loaded ("model (group load)"); a second load is refused (one model per process).
 _PROCESS_LOAD: str | None = None
@@ -57,7 +69,11 @@ class Loaded:
     build: Build
     num_offloaded: int
     draft_block_size: int | None
+    #: The device memory ratio MoE-Infinity applied (``MoE.engine_config``), None when it cannot be read.
+    applied_ratio: float | None = None
     facts: dict[str, Any] = field(default_factory=dict)
+    #: What every row of this load must say (ineffective environment, a ratio other than the requested one).
+    warnings: list[str] = field(default_factory=list)
 
 
 def check_device(ctx: EngineContext) -> DeviceCheck:
@@ -118,19 +134,59 @@ def _claim_process(ctx: EngineContext) -> None:
     _PROCESS_LOAD = f"{ctx.model.id} ({ctx.load_group} load)"
 
 
-def _import_moe_infinity() -> tuple[Build, dict[str, Any]]:
-    """Import MoE-Infinity (after the runner applied spec.env) and describe the build."""
-    imported_before = "moe_infinity" in sys.modules
+def _environment() -> tuple[dict[str, Any], list[str]]:
+    """The run-time variables as the import sees them, and a warning per variable that cannot take effect."""
+    ineffective = {k: why for k, why in INEFFECTIVE_ENV.items() if k in os.environ}
     facts: dict[str, Any] = {
         "import_environment": {k: os.environ[k] for k in IMPORT_ENV_KEYS if k in os.environ}
     }
+    if ineffective:
+        facts["ineffective_environment"] = ineffective
+    return facts, [f"{k} is set but has no effect at run time: {why}" for k, why in ineffective.items()]
+
+
+def _import_moe_infinity() -> tuple[Build, dict[str, Any]]:
+    """Import MoE-Infinity (after the runner applied spec.env) and describe the build."""
+    imported_before = "moe_infinity" in sys.modules
     import moe_infinity  # after the runner applied spec.env (HF_HOME, offline flags)
 
     build = detect(moe_infinity)
-    facts.update(version=build.version, fake=build.fake, features=build.as_dict())
+    facts: dict[str, Any] = {"version": build.version, "fake": build.fake, "features": build.as_dict()}
+    facts["serving_generation"] = build.serving_generation
     if imported_before:
         facts["import_note"] = "moe_infinity was imported before the engine; spec.env may not apply"
     return build, facts
+
+
+def _load_config(options: MoEInfinityOptions, offload_dir: str, ratio: float, build: Build) -> dict[str, Any]:
+    """MoE-Infinity's load config. On builds whose ``ArcherConfig`` splits device memory with a native KV share,
+    the share is set explicitly (its default 0.15 where it fits, else what is left), so ``__post_init__`` cannot
+    cut ``device_memory_ratio`` (it would turn B3's 0.98 into 0.85)."""
+    config = {**options.moe_config, "offload_path": offload_dir, "device_memory_ratio": ratio}
+    kv = round(min(NATIVE_KV_RATIO, 1.0 - ratio), 6)
+    if build.archer_kv_ratio and kv > 0:
+        config["kv_cache_memory_ratio"] = kv
+    return config
+
+
+def _applied_ratios(moe: Any, requested: float) -> tuple[float | None, dict[str, Any], list[str]]:
+    """The ratio the library applied (``MoE.engine_config``), the facts recording it, a warning if it differs."""
+    config = getattr(moe, "engine_config", None)
+    applied = getattr(config, "device_memory_ratio", None)
+    if isinstance(applied, bool) or not isinstance(applied, (int, float)):
+        note = "MoE.engine_config.device_memory_ratio is not readable: the requested ratio is recorded"
+        return None, {"device_memory_ratio": requested, "memory_ratio_note": note}, []
+    facts: dict[str, Any] = {
+        "device_memory_ratio": float(applied),
+        "requested_device_memory_ratio": requested,
+    }
+    kv = getattr(config, "kv_cache_memory_ratio", None)
+    if isinstance(kv, (int, float)) and not isinstance(kv, bool):
+        facts["kv_cache_memory_ratio"] = float(kv)
+    if abs(applied - requested) <= 1e-9:
+        return float(applied), facts, []
+    differs = f"MoE-Infinity applied device_memory_ratio={applied}, not the requested {requested}"
+    return float(applied), facts, [differs]
 
 
 def _load_speculator(moe: Any, draft: str, options: MoEInfinityOptions) -> Any:
@@ -162,14 +218,16 @@ def load(ctx: EngineContext, options: MoEInfinityOptions, ratio: float) -> Loade
     """``MoE(model, config)`` at ``ratio``, the DFlash speculator (shared load only) and the tokenizer."""
     _claim_process(ctx)
     model = ctx.model
-    build, facts = _import_moe_infinity()
+    facts, warnings = _environment()
+    build, build_facts = _import_moe_infinity()
+    facts.update(build_facts)
     from moe_infinity import MoE
 
     start = time.perf_counter()
-    moe = MoE(
-        model.id, {**options.moe_config, "offload_path": model.offload_dir, "device_memory_ratio": ratio}
-    )
+    moe = MoE(model.id, _load_config(options, model.offload_dir, ratio, build))
+    applied, ratio_facts, ratio_warnings = _applied_ratios(moe, ratio)
     num_offloaded = m.offloaded_experts(moe.engine)
+    facts.update(ratio_facts)
     facts.update(num_offloaded_experts=num_offloaded, total_expert_bytes=m.total_expert_bytes(moe.engine))
     speculator, draft_block_size = None, None
     if ctx.load_group != "resident" and model.draft:
@@ -179,6 +237,10 @@ def load(ctx: EngineContext, options: MoEInfinityOptions, ratio: float) -> Loade
     from transformers import AutoTokenizer
 
     source = options.tokenizer or model.id
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=True, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(
+        source, trust_remote_code=options.trust_remote_code, local_files_only=True
+    )
     facts.update(load_seconds=time.perf_counter() - start, nvtx=nvtx_placement(build))
-    return Loaded(moe, speculator, tokenizer, build, num_offloaded, draft_block_size, facts)
+    loaded = Loaded(moe, speculator, tokenizer, build, num_offloaded, draft_block_size, applied, facts)
+    loaded.warnings = warnings + ratio_warnings
+    return loaded

@@ -12,7 +12,7 @@ import gc
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +27,15 @@ from pd_dflash.engine.moe_infinity.prompts import build_prompts
 from pd_dflash.engine.moe_infinity.serving import (
     ClientRun,
     KVPeak,
+    ModelExecutions,
     RoundLog,
+    SessionWatch,
+    count_model_executions,
     drive,
     patched,
     record_rounds,
     track_kv_peak,
+    watch_sessions,
 )
 from pd_dflash.spec import Cell
 from pd_dflash.upstream import ROUTE_AHEAD_KEYS
@@ -53,11 +57,24 @@ class CounterBaseline:
 
 
 @dataclass
-class Observation:
-    """Everything the timed loop observed, before any metric is derived from it."""
+class Loop:
+    """What the instruments saw during the timed loop."""
 
     run: ClientRun
     rounds: RoundLog | None
+    kv: KVPeak | None
+    occupancy_samples: list[float]
+    sessions: SessionWatch | None
+    executions: ModelExecutions | None
+    #: Most persistent speculative sessions alive after a serving step (None: no ``speculative_sessions``).
+    peak_speculative_sessions: int | None
+
+
+@dataclass
+class Observation:
+    """Everything the timed loop observed, before any metric is derived from it."""
+
+    loop: Loop
     bindings: dict[str, int]
     #: ``RouteAheadStats.as_dict()`` of the speculator over the timed loop (ROUTE_AHEAD_KEYS only), or None.
     stats: dict[str, Any] | None
@@ -65,10 +82,23 @@ class Observation:
     occupancy: Reading
     exposed_after: float | None
     wasted_after: float | None
-    kv: Reading
+    #: The native getters behind hit rate, occupancy and waste (None where the wrapper has none).
+    native_getters: dict[str, str | None]
+    #: Peak paged-KV bytes in use (blocks x block bytes), the native KV reading, and KV bytes per token.
+    paged_kv_bytes: int | None
+    native_kv: Reading
+    token_kv_bytes: int
     baseline: CounterBaseline
     timings: dict[str, float]
     telemetry_start: dict[str, Any] | None
+
+    @property
+    def run(self) -> ClientRun:
+        return self.loop.run
+
+    @property
+    def rounds(self) -> RoundLog | None:
+        return self.loop.rounds
 
 
 @dataclass
@@ -165,15 +195,17 @@ def sampling(temperature: float, max_tokens: int) -> Callable[[], Any]:
     return lambda: SamplingParams(temperature=temperature, top_k=0, top_p=1.0, max_tokens=int(max_tokens))
 
 
-def kv_bytes(model: Any, cell: Cell, kv: KVPeak | None, engine: Any) -> Reading:
-    """Peak paged-KV blocks in use x block bytes, else the native accessor."""
-    if kv is not None and kv.peak_blocks > 0:
-        g = geometry(model)
-        per_block = g["num_layers"] * 2 * cell.block_size * g["num_kv_heads"] * g["head_dim"]
-        return float(kv.peak_blocks * per_block * ELEMENT_SIZE[g["dtype"]]), (
-            "serving PagedKVCache: peak blocks in use x block bytes"
-        )
-    return m.native_kv_occupancy_bytes(engine)
+def token_kv_bytes(model: Any) -> int:
+    """Target KV bytes per cached token: layers x (K, V) x KV heads x head dim x element size."""
+    g = geometry(model)
+    return g["num_layers"] * 2 * g["num_kv_heads"] * g["head_dim"] * ELEMENT_SIZE[g["dtype"]]
+
+
+def paged_kv_bytes(model: Any, cell: Cell, kv: KVPeak | None) -> int | None:
+    """Peak paged-KV blocks in use x block bytes (the serving engine's block size is the cell's B)."""
+    if kv is None or kv.peak_blocks <= 0:
+        return None
+    return kv.peak_blocks * cell.block_size * token_kv_bytes(model)
 
 
 # -- the speculator for one cell --------------------------------------------------------------------------------
@@ -250,21 +282,29 @@ def _timed_loop(
     loaded: Loaded,
     speculator: Any,
     device,
-) -> tuple[ClientRun, RoundLog | None, KVPeak | None, list[float]]:
-    """The closed-loop run, with the verify seam recorded and the KV / expert-occupancy peaks sampled."""
+) -> Loop:
+    """The closed-loop run, with the verify seam, sessions and model executions recorded and peaks sampled."""
     engine = loaded.moe.engine
-    rounds_cm = (
-        record_rounds(speculator, push_nvtx=not loaded.build.library_nvtx) if speculator else nullcontext()
-    )
-    occupancy_peak: list[float] = []
-    with rounds_cm as rounds, track_kv_peak(serving) as kv:
+    peaks: dict[str, Any] = {"occupancy": [], "sessions": None}
+    with ExitStack() as stack:
+        sessions = stack.enter_context(watch_sessions(speculator)) if speculator else None
+        rounds = (
+            stack.enter_context(record_rounds(speculator, push_nvtx=not loaded.build.library_nvtx))
+            if speculator
+            else None
+        )
+        kv = stack.enter_context(track_kv_peak(serving))
+        executions = stack.enter_context(count_model_executions(serving))
 
         def after_step() -> None:  # peaks over the timed loop, sampled after every serving step
             if kv is not None:
                 kv.sample()
             value, _ = m.expert_occupancy_bytes(engine)
             if value is not None:
-                occupancy_peak.append(value)
+                peaks["occupancy"].append(value)
+            live = getattr(serving, "speculative_sessions", None)
+            if isinstance(live, dict):
+                peaks["sessions"] = max(peaks["sessions"] or 0, len(live))
 
         run = drive(
             serving,
@@ -275,7 +315,7 @@ def _timed_loop(
             sync=device.sync,
             after_step=after_step,
         )
-    return run, rounds, kv, occupancy_peak
+    return Loop(run, rounds, kv, peaks["occupancy"], sessions, executions, peaks["sessions"])
 
 
 def _peak_occupancy(engine: Any, samples: list[float]) -> Reading:
@@ -309,20 +349,21 @@ def measure(
         _warm_up(serving, warm, cell, temperature, device)
         timings["warmup_seconds"] = time.perf_counter() - t
         baseline = _reset_counters(engine, speculator)
-        run, rounds, kv, occupancy_peak = _timed_loop(
-            serving, prompts, cell, temperature, loaded, speculator, device
-        )
-        timings["timed_seconds"] = run.elapsed
+        loop = _timed_loop(serving, prompts, cell, temperature, loaded, speculator, device)
+        timings["timed_seconds"] = loop.run.elapsed
+        model = loaded.moe.model
         return Observation(
-            run=run,
-            rounds=rounds,
+            loop=loop,
             bindings=bindings,
             stats=route_ahead_dict(speculator),
             hit=m.hit_rate(engine),
-            occupancy=_peak_occupancy(engine, occupancy_peak),
+            occupancy=_peak_occupancy(engine, loop.occupancy_samples),
             exposed_after=m.exposed_fetch_seconds(engine)[0],
             wasted_after=m.native_wasted_prefetch_bytes(engine)[0],
-            kv=kv_bytes(loaded.moe.model, cell, kv, engine),
+            native_getters={k: m.native_getter(engine, k) for k in m.NATIVE_GETTERS},
+            paged_kv_bytes=paged_kv_bytes(model, cell, loop.kv),
+            native_kv=m.native_kv_occupancy_bytes(engine),
+            token_kv_bytes=token_kv_bytes(model),
             baseline=baseline,
             timings=timings,
             telemetry_start=telemetry_start,

@@ -24,12 +24,10 @@ from pd_dflash.engine.request_metrics import RequestTiming
 #: Adapted from upstream's "<metric> fell back to 0.0" strings; the metric name stays first.
 ABSENT = {
     "expert_cache_hit_rate": (
-        "expert_cache_hit_rate absent: no native hit-rate accessor on this MoE-Infinity build "
-        "(upstream fell back to 0.0)"
+        "expert_cache_hit_rate absent: no hit-rate accessor on this MoE-Infinity build (upstream fell back to 0.0)"
     ),
     "expert_occupancy_bytes": (
-        "expert_occupancy_bytes absent: no native occupancy accessor on this MoE-Infinity build "
-        "(upstream fell back to 0.0)"
+        "expert_occupancy_bytes absent: no occupancy accessor on this MoE-Infinity build (upstream fell back to 0.0)"
     ),
     "kv_occupancy_bytes": (
         "kv_occupancy_bytes absent: neither the serving KV allocator nor a native accessor reported "
@@ -51,6 +49,17 @@ ABSENT = {
         "predicted (RouteAheadStats observes route-ahead only, which this configuration does not use)"
     ),
     "exposed_fetch_seconds": "exposed_fetch_seconds absent: no get_exposed_fetch_seconds accessor",
+}
+#: The native getters behind MoE-Infinity's Python wrappers (``ExpertPrefetcher.get_hit_rate``,
+#: ``expert_occupancy_bytes()``, ``wasted_prefetch_bytes()`` and the ``OffloadEngine`` properties over them), which
+#: return 0.0 when every native getter is missing or raises: a 0.0 is a reading only when one of these exists.
+NATIVE_GETTERS: dict[str, tuple[tuple[str, str], ...]] = {
+    "expert_cache_hit_rate": (("expert_dispatcher", "get_cache_hit_rate"), ("archer_engine", "get_hit_rate")),
+    "expert_occupancy_bytes": (
+        ("expert_dispatcher", "get_cache_occupancy_bytes"),
+        ("archer_engine", "get_expert_occupancy_bytes"),
+    ),
+    "wasted_prefetch_bytes": (("archer_engine", "get_wasted_prefetch_bytes"),),
 }
 VACUOUS_COVERAGE = (
     "route_ahead_prefetch_coverage is vacuous: 1.0 with no routed expert observed (the route-ahead seam never "
@@ -134,6 +143,34 @@ def native_wasted_prefetch_bytes(engine: Any) -> tuple[float | None, str | None]
 
 def exposed_fetch_seconds(engine: Any) -> tuple[float | None, str | None]:
     return read_number([("engine", engine, "get_exposed_fetch_seconds")])
+
+
+def native_getter(engine: Any, metric: str) -> str | None:
+    """The native getter behind the wrapper of ``metric`` (``expert_prefetcher.<holder>.<name>``), or None."""
+    prefetcher = _prefetcher(engine)
+    for holder, name in NATIVE_GETTERS[metric]:
+        if callable(getattr(getattr(prefetcher, holder, None), name, None)):
+            return f"expert_prefetcher.{holder}.{name}"
+    return None
+
+
+def vet_zero(metric: str, value: float | None, getter: str | None, implausible: str | None) -> str | None:
+    """Why a native 0.0 is not a measurement (the metric is then absent), or None when it stands.
+
+    MoE-Infinity's wrappers return 0.0 when the native getter is missing or raises, so a 0.0 counts only when the
+    native getter is proven present (``getter``) and nothing in the cell contradicts it (``implausible``: the
+    evidence against it, e.g. tokens generated through experts the hit rate says were never hit).
+    """
+    if value != 0.0:
+        return None
+    if getter is None:
+        return (
+            f"{metric} absent: MoE-Infinity's accessor returned 0.0 with no native getter behind it (its "
+            "wrappers return 0.0 when the native getter is missing or raises)"
+        )
+    if implausible:
+        return f"{metric} absent: {getter} read 0.0, implausible {implausible}"
+    return None
 
 
 def offloaded_experts(engine: Any) -> int:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 #: Keys the adapter sets itself in MoE-Infinity's load config / the serving config; options may not override.
-ADAPTER_MOE_KEYS = frozenset({"offload_path", "device_memory_ratio"})
+ADAPTER_MOE_KEYS = frozenset({"offload_path", "device_memory_ratio", "kv_cache_memory_ratio"})
 ADAPTER_SERVING_KEYS = frozenset(
     {
         "dtype",
@@ -35,6 +35,10 @@ class MoEInfinityOptions(BaseModel):
 
     #: Tokenizer for the prompts (HF id or local directory, read offline); default: the model id.
     tokenizer: str | None = None
+    #: Let the tokenizer run code shipped with the checkpoint (transformers' ``trust_remote_code``). Off unless a
+    #: spec turns it on for a model whose tokenizer needs it. (MoE-Infinity itself loads the target and the DFlash
+    #: drafter with ``trust_remote_code=True``; the adapter cannot change that.)
+    trust_remote_code: bool = False
     #: Every request generates exactly ``max_new_tokens`` (vLLM's ``ignore_eos``), so baselines compare equal work.
     ignore_eos: bool = True
     #: dtype the DFlash drafter is loaded in.

@@ -2,8 +2,9 @@
 
 Metric definitions are in docs/metrics.md; per-request TTFT, TPOT and goodput use the shared rules of
 ``pd_dflash.engine.request_metrics``. A metric the build cannot measure is absent with a warning (the row is
-PARTIAL), never 0.0. Before any metric is derived, postconditions refuse a measurement that did not run the
-configuration it is labelled with.
+PARTIAL), never 0.0, and a 0.0 from one of MoE-Infinity's wrappers counts only when the native getter behind it
+is present and nothing in the cell contradicts it. Before any metric is derived, ``checks.postconditions``
+refuses a measurement that did not run the configuration it is labelled with.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pd_dflash.engine import nvml, request_metrics
-from pd_dflash.engine.interface import EngineContext, Refused
+from pd_dflash.engine.interface import EngineContext
+from pd_dflash.engine.moe_infinity import checks
 from pd_dflash.engine.moe_infinity import metrics as m
 from pd_dflash.engine.moe_infinity.cells import CellPlan
+from pd_dflash.engine.moe_infinity.loading import Loaded
 from pd_dflash.engine.moe_infinity.measure import Observation
 from pd_dflash.engine.moe_infinity.serving import RoundLog
 from pd_dflash.schema import CostTerms, EngineResult, Status
@@ -28,25 +31,7 @@ class Derived:
     value: Any = None
     sources: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-
-
-def postconditions(cell: Cell, plan: CellPlan, obs: Observation) -> None:
-    """Refuse a measurement that did not run the configuration it is labelled with."""
-    rounds, stats = obs.rounds, obs.stats
-    tokens, requests = sum(t.tokens for t in obs.run.traces), len(obs.run.traces)
-    no_rounds = plan.speculative and rounds is not None and not rounds.committed and not rounds.missing_accept
-    if no_rounds and tokens > requests:  # more than each request's first token, yet no verify round
-        raise Refused(
-            Status.REFUSED,
-            f"the serving engine generated {tokens} tokens without a single DFlash verify round (it fell back "
-            f"to autoregressive decoding); refusing to report that as {cell.baseline}",
-        )
-    if plan.route_ahead is False and stats and (stats.get("predicted_experts") or 0) > 0:
-        raise Refused(
-            Status.REFUSED,
-            f"route-ahead was switched off for {cell.baseline}, yet RouteAheadStats counted "
-            f"{stats['predicted_experts']} predicted experts: the switch did not take on this build",
-        )
+    facts: dict[str, Any] = field(default_factory=dict)
 
 
 def acceptance(plan: CellPlan, rounds: RoundLog | None, block_size: int) -> Derived:
@@ -78,9 +63,10 @@ def per_round_latency(plan: CellPlan, cell: Cell, obs: Observation) -> Derived:
 def prefetch_metrics(plan: CellPlan, obs: Observation) -> Derived:
     """Coverage and wasted bytes of the configuration's prefetcher (docs/metrics.md, metrics 7 and 8).
 
-    OURS: route-ahead, from RouteAheadStats. B0-B3: MoE-Infinity's AR prefetcher, whose predictions no
-    accessor exposes, so coverage is absent; wasted bytes come from the native waste counter (timed-loop
-    delta) where the build has one, for OURS too when its statistics carried no byte sizes.
+    OURS: route-ahead, from RouteAheadStats (fed through the sessions' route recorders). B0-B3: MoE-Infinity's
+    AR prefetcher, whose predictions no accessor exposes, so coverage is absent; wasted bytes come from the
+    native waste counter (timed-loop delta) where the build has one, for OURS too when its statistics carried no
+    byte sizes.
     """
     stats, out = obs.stats, Derived((None, None))
     coverage = wasted = None
@@ -94,42 +80,101 @@ def prefetch_metrics(plan: CellPlan, obs: Observation) -> Derived:
         if not stats.get("actual_experts"):
             out.warnings.append(m.VACUOUS_COVERAGE)
         if stats.get("wasted_prefetch_bytes") is not None:
-            wasted = float(stats["wasted_prefetch_bytes"])
+            wasted = int(stats["wasted_prefetch_bytes"])
             out.sources["wasted_prefetch_bytes"] = "RouteAheadStats.wasted_prefetch_bytes"
-    before, after = obs.baseline.wasted_before, obs.wasted_after
-    if wasted is None and after is not None and before is not None:
-        wasted = max(after - before, 0.0)
-        out.sources["wasted_prefetch_bytes"] = "expert_prefetcher.wasted_prefetch_bytes (timed-loop delta)"
     if wasted is None:
-        out.warnings.append(m.ABSENT["wasted_prefetch_bytes"])
+        native = native_waste(obs)
+        wasted = native.value
+        out.sources.update(native.sources)
+        out.warnings += native.warnings
     out.value = (coverage, wasted)
     return out
 
 
+def native_waste(obs: Observation) -> Derived:
+    """Wasted prefetch bytes over the timed loop from MoE-Infinity's native counter (absent without one)."""
+    getter = obs.native_getters.get("wasted_prefetch_bytes")
+    before, after = obs.baseline.wasted_before, obs.wasted_after
+    if after is None or before is None:
+        return Derived(warnings=[m.ABSENT["wasted_prefetch_bytes"]])
+    if getter is None:  # the wrapper's 0.0 stands for a missing native counter
+        return Derived(warnings=[m.vet_zero("wasted_prefetch_bytes", 0.0, None, None)])
+    source = f"{getter} via expert_prefetcher.wasted_prefetch_bytes (timed-loop delta)"
+    return Derived(round(max(after - before, 0.0)), {"wasted_prefetch_bytes": source})
+
+
 def native_metrics(obs: Observation) -> Derived:
-    """Hit rate, expert occupancy and KV occupancy from MoE-Infinity's accessors (absent when missing)."""
-    out = Derived({})
+    """Hit rate and expert occupancy from MoE-Infinity's accessors: absent when missing or an unproven 0.0."""
+    out, tokens = Derived({}), sum(t.tokens for t in obs.run.traces)
+    evidence = {
+        "expert_cache_hit_rate": f"although the timed loop routed {tokens} tokens through the experts",
+        "expert_occupancy_bytes": f"although experts were on the device to compute {tokens} tokens",
+    }
     for name, (value, source) in (
         ("expert_cache_hit_rate", obs.hit),
         ("expert_occupancy_bytes", obs.occupancy),
-        ("kv_occupancy_bytes", obs.kv),
     ):
-        out.value[name] = value
-        if value is not None:
-            out.sources[name] = source or ""
-        elif name == "kv_occupancy_bytes":
-            out.warnings.append(m.ABSENT[name])
-        else:
+        rejected = m.vet_zero(name, value, obs.native_getters.get(name), evidence[name] if tokens else None)
+        if rejected:
+            out.warnings.append(rejected)
+            value = None
+        elif value is None:
             out.warnings.append(m.ABSENT[name] + (f" ({source})" if source else ""))
+        else:
+            out.sources[name] = source or ""
+        out.value[name] = round(value) if value is not None and name.endswith("_bytes") else value
     return out
 
 
-def exposed_fetch(obs: Observation) -> Derived:
-    """Reset before the timed loop, or a delta over it; a counter unreadable before gives no delta."""
+def kv_occupancy(plan: CellPlan, obs: Observation) -> Derived:
+    """Peak KV bytes the serving engine held: the paged cache, or for speculative sessions their private caches.
+
+    A speculative commit appends no paged KV (``update_after_step(new_decode_seq_ids=[])``): the paged cache of a
+    speculative sequence holds its prompt blocks only, while the target's KV lives in the session's private cache.
+    """
+    paged, sessions = obs.paged_kv_bytes, obs.loop.sessions
+    private = sessions.private_kv_peak_tokens if sessions is not None else None
+    if not plan.speculative:
+        if paged is not None:
+            return Derived(
+                paged, {"kv_occupancy_bytes": "serving PagedKVCache: peak blocks in use x block bytes"}
+            )
+        value, source = obs.native_kv
+        if value is None:
+            return Derived(warnings=[m.ABSENT["kv_occupancy_bytes"]])
+        return Derived(round(value), {"kv_occupancy_bytes": source or ""})
+    facts = {"paged_kv_prompt_only_peak_bytes": paged} if paged is not None else {}
+    if private:
+        source = "speculative sessions' private target caches: peak of their summed get_seq_length() x KV bytes per token"
+        return Derived(private * obs.token_kv_bytes, {"kv_occupancy_bytes": source}, facts=facts)
+    if paged is None:
+        return Derived(warnings=[m.ABSENT["kv_occupancy_bytes"]], facts=facts)
+    label = (
+        "kv_occupancy_bytes counts the paged prompt blocks only: MoE-Infinity keeps a speculative request's target "
+        "KV in a private cache this serving path does not expose, so the value is not comparable with B0/B3"
+    )
+    return Derived(paged, {"kv_occupancy_bytes": "serving PagedKVCache (prompt blocks only)"}, [label], facts)
+
+
+def exposed_fetch(obs: Observation, hit_rate: float | None, offloaded_experts: int) -> Derived:
+    """Reset before the timed loop, or a delta over it; a counter unreadable before gives no delta.
+
+    ``get_exposed_fetch_seconds`` reads 0.0 when fetches bypass its timer, so 0.0 stands only where nothing had
+    to be fetched on demand: nothing offloaded, or an expert cache that never missed.
+    """
     after, base = obs.exposed_after, obs.baseline
     if after is None or not (base.exposed_reset or base.exposed_before is not None):
         return Derived(warnings=[m.ABSENT["exposed_fetch_seconds"]])
-    return Derived(max(after if base.exposed_reset else after - base.exposed_before, 0.0))
+    value = max(after if base.exposed_reset else after - base.exposed_before, 0.0)
+    if offloaded_experts <= 0 or hit_rate == 1.0:
+        return Derived(value)
+    evidence = (
+        f"although the expert cache missed (hit rate {hit_rate:.3f}: every miss is an on-demand fetch)"
+        if hit_rate is not None
+        else "with no hit rate to show that nothing was fetched on demand"
+    )
+    rejected = m.vet_zero("exposed_fetch_seconds", value, "OffloadEngine.get_exposed_fetch_seconds", evidence)
+    return Derived(warnings=[rejected]) if rejected else Derived(value)
 
 
 def _concurrency_warnings(cell: Cell, observed: int, requests: int) -> list[str]:
@@ -141,9 +186,7 @@ def _concurrency_warnings(cell: Cell, observed: int, requests: int) -> list[str]
     ]
 
 
-def _facts(
-    facts: dict[str, Any], cell: Cell, plan: CellPlan, obs: Observation, sources: dict[str, str]
-) -> dict:
+def _facts(facts: dict[str, Any], cell: Cell, plan: CellPlan, obs: Observation, sources, extra) -> dict:
     out = {
         **facts,
         "configuration": {
@@ -161,10 +204,17 @@ def _facts(
         out["route_ahead_bindings"] = dict(obs.bindings)
     if obs.stats is not None and not plan.route_ahead:
         out["route_ahead_observer"] = obs.stats  # route-ahead off: what the verify seam saw (predicted = 0)
-    rounds = obs.rounds
+    rounds, sessions = obs.rounds, obs.loop.sessions
     if rounds is not None and rounds.demand_bytes:
         out["mean_verify_demand_bytes"] = sum(rounds.demand_bytes) / len(rounds.demand_bytes)
-    return out
+    if sessions is not None and sessions.sessions:
+        out["speculative_sessions"] = {
+            "opened": len(sessions.sessions),
+            "route_recorders_teed": sessions.teed,
+        }
+    if obs.loop.peak_speculative_sessions is not None:
+        out["peak_speculative_sessions"] = obs.loop.peak_speculative_sessions
+    return {**out, **extra}
 
 
 def _round_samples(rounds: RoundLog | None) -> tuple[dict[str, list[float]], list[str]]:
@@ -212,25 +262,31 @@ def _cost_terms(
 
 
 def assemble(
-    ctx: EngineContext, facts: dict, cell: Cell, plan: CellPlan, obs: Observation, h2d, cuda
+    ctx: EngineContext, loaded: Loaded, facts: dict, cell: Cell, plan: CellPlan, obs: Observation, h2d, cuda
 ) -> EngineResult:
     """The row's metrics from the observation; PARTIAL when any metric is absent."""
-    postconditions(cell, plan, obs)
+    checks.postconditions(cell, plan, obs)
     requests = per_request(ctx, obs)
     accept, per_round = acceptance(plan, obs.rounds, cell.block_size), per_round_latency(plan, cell, obs)
-    prefetch, native, exposed = prefetch_metrics(plan, obs), native_metrics(obs), exposed_fetch(obs)
+    prefetch, native, kv = prefetch_metrics(plan, obs), native_metrics(obs), kv_occupancy(plan, obs)
+    exposed = exposed_fetch(obs, native.value["expert_cache_hit_rate"], loaded.num_offloaded)
+    executions, execution_warnings = checks.model_executions(plan, obs)
     (a, histogram), (coverage, wasted), req = accept.value, prefetch.value, requests.value
     observed = m.observed_max_in_flight(obs.run.traces)
     warnings = [
+        *loaded.warnings,
         *obs.baseline.warnings,
         *accept.warnings,
         *per_round.warnings,
         *prefetch.warnings,
         *native.warnings,
+        *kv.warnings,
         *exposed.warnings,
         *([m.ABSENT["measured_h2d_bytes_per_second"]] if h2d is None else []),
         *_concurrency_warnings(cell, observed, req["requests"]),
         *requests.warnings,
+        *checks.route_ahead_observer(plan, obs),
+        *execution_warnings,
     ]
     values = {
         "output_tokens_per_second": req["output_tokens_per_second"],
@@ -242,8 +298,10 @@ def assemble(
         "route_ahead_prefetch_coverage": coverage,
         "wasted_prefetch_bytes": wasted,
         "expert_occupancy_bytes": native.value["expert_occupancy_bytes"],
-        "kv_occupancy_bytes": native.value["kv_occupancy_bytes"],
+        "kv_occupancy_bytes": kv.value,
     }
+    sources = {**per_round.sources, **prefetch.sources, **native.sources, **kv.sources}
+    extra = {**kv.facts, **({"model_runner": executions} if executions else {})}
     rounds, start = obs.rounds, obs.telemetry_start
     end = nvml.telemetry(0) if cuda else None
     return EngineResult(
@@ -259,7 +317,7 @@ def assemble(
         requests=req["requests"],
         generated_tokens=req["generated_tokens"],
         timed_seconds=obs.run.elapsed,
-        engine=_facts(facts, cell, plan, obs, {**per_round.sources, **prefetch.sources, **native.sources}),
+        engine=_facts(facts, cell, plan, obs, sources, extra),
         telemetry={"start": start, "end": end} if start or end else None,
         timings=obs.timings,
     )

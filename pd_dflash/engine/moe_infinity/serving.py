@@ -7,12 +7,14 @@ would submit every request at once and make TTFT mostly queueing time).
 
 What the adapter can observe: token callbacks (``on_token``) with the serving step they arrived in, the
 speculator's per-round seam (``draft_round`` / ``verify_round`` results and wall time, or ``step_trace`` after
-a whole-request ``generate``), and the paged KV allocator. What it cannot: when inside a step a token was
-computed, per-layer router time, and transfer timing (those come from nsys, ``pd-dflash overlap``).
+a whole-request ``generate``), the sessions ``begin_session`` opens (their route recorder and private target
+KV cache), the model runner's executions, and the paged KV allocator. What it cannot: when inside a step a token
+was computed, per-layer router time, and transfer timing (those come from nsys, ``pd-dflash overlap``).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -244,3 +246,119 @@ def track_kv_peak(serving: Any) -> Iterator[KVPeak | None]:
     peak.sample()
     with patched(allocator, wrappers):
         yield peak
+
+
+# -- sessions: route-ahead recording and private KV ---------------------------------------------------------------
+class RouteRecorderTee:
+    """One session's route recorder, fed to the speculator's ``RouteAheadStats`` as well.
+
+    MoE-Infinity's serving drivers open every session with ``collect_route_union=True``; ``verify_round`` then
+    feeds the session's ``RouteUnionCollector`` (the next round's admission projection) *instead of*
+    ``route_ahead_stats``. Standing in the collector's slot, the tee passes every call to the collector unchanged
+    and repeats the recorder calls (``begin_step``, ``observe_layer``, ``commit_step``) to ``RouteAheadStats``, so
+    coverage and waste are the library's own counts of the same verify forwards.
+    """
+
+    def __init__(self, collector: Any, stats: Any) -> None:
+        self._collector, self._stats = collector, stats
+
+    def begin_step(self) -> None:
+        self._stats.begin_step()
+        self._collector.begin_step()
+
+    def observe_layer(self, *args: Any, **kwargs: Any) -> None:
+        self._stats.observe_layer(*args, **kwargs)
+        self._collector.observe_layer(*args, **kwargs)
+
+    def commit_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._stats.commit_step(*args, **kwargs)
+        return self._collector.commit_step(*args, **kwargs)
+
+    def __getattr__(
+        self, name: str
+    ) -> Any:  # union for the projection, observe_executor_attempt for the stats
+        if hasattr(self._collector, name):
+            return getattr(self._collector, name)
+        return getattr(self._stats, name)
+
+
+@dataclass
+class SessionWatch:
+    """What the sessions of the timed loop showed: route recorders teed, and their private target KV."""
+
+    sessions: list[Any] = field(default_factory=list)
+    #: Sessions whose route recorder was teed into RouteAheadStats.
+    teed: int = 0
+    #: Peak over verify rounds of Σ cached tokens in the live sessions' private target caches (None: unreadable).
+    private_kv_peak_tokens: int | None = 0
+
+    def sample_private_kv(self, current: Any) -> None:
+        if self.private_kv_peak_tokens is None:
+            return
+        total = 0
+        for session in self.sessions:
+            if session is not current and getattr(session, "finished", False):
+                continue
+            length = getattr(getattr(session, "target_kv", None), "get_seq_length", None)
+            value = length() if callable(length) else None
+            if isinstance(value, bool) or not isinstance(value, int):
+                self.private_kv_peak_tokens = None  # a cache the adapter cannot read: no partial sum
+                return
+            total += value
+        self.private_kv_peak_tokens = max(self.private_kv_peak_tokens, total)
+
+
+@contextmanager
+def watch_sessions(speculator: Any) -> Iterator[SessionWatch]:
+    """Wrap ``begin_session`` (tee the session's route recorder) and ``verify_round`` (sample private KV)."""
+    watch = SessionWatch()
+    begin, verify = getattr(speculator, "begin_session", None), getattr(speculator, "verify_round", None)
+    if not (callable(begin) and callable(verify)):
+        yield watch
+        return
+
+    @functools.wraps(begin)  # keeps the signature MoE-Infinity's SpecSessionDriver inspects
+    def begin_session(*args: Any, **kwargs: Any) -> Any:
+        session = begin(*args, **kwargs)
+        watch.sessions.append(session)
+        collector, stats = getattr(session, "collector", None), getattr(speculator, "route_ahead_stats", None)
+        if collector is not None and stats is not None:
+            session.collector = RouteRecorderTee(collector, stats)
+            watch.teed += 1
+        return session
+
+    @functools.wraps(verify)
+    def verify_round(session: Any, *args: Any, **kwargs: Any) -> Any:
+        result = verify(session, *args, **kwargs)
+        watch.sample_private_kv(current=session)
+        return result
+
+    with patched(speculator, {"begin_session": begin_session, "verify_round": verify_round}):
+        yield watch
+
+
+# -- model executions ----------------------------------------------------------------------------------------------
+@dataclass
+class ModelExecutions:
+    """Calls of the serving engine's ``model_runner.execute`` and the sequence rows they carried."""
+
+    calls: int = 0
+    rows: int = 0
+
+
+@contextmanager
+def count_model_executions(serving: Any) -> Iterator[ModelExecutions | None]:
+    runner = getattr(serving, "model_runner", None)
+    execute = getattr(runner, "execute", None)
+    if not callable(execute) or not hasattr(runner, "__dict__"):
+        yield None
+        return
+    count = ModelExecutions()
+
+    def counted(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        count.calls += 1
+        count.rows += len(getattr(batch, "seq_ids", None) or ())
+        return execute(batch, *args, **kwargs)
+
+    with patched(runner, {"execute": counted}):
+        yield count
