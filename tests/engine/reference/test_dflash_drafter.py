@@ -247,5 +247,5 @@ def test_blocks_larger_than_the_trained_block_run(tmp_path, target):
 def test_a_non_numeric_scale_is_named():
     raw = tiny_drafter_config(TARGET)
     raw["dflash_config"]["output_multiplier"] = "2"
-    with pytest.raises(InputError, match="dflash_config.output_multiplier must be a number"):
+    with pytest.raises(InputError, match=r"dflash_config\.output_multiplier must be a number"):
         parse_drafter_config(raw, "c.json")
