@@ -18,10 +18,11 @@ from pd_dflash.errors import InputError
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from pd_dflash.spec import load_spec, plan, render_plan
+    from pd_dflash.engine.registry import blocked_reason, load_checked_spec
+    from pd_dflash.spec import plan, render_plan
 
-    spec = load_spec(args.spec)
-    planned = plan(spec)
+    spec = load_checked_spec(args.spec)
+    planned = plan(spec, lambda cell: blocked_reason(spec.engine, cell))
     if args.json:
         print(
             json.dumps(
@@ -34,9 +35,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from pd_dflash.engine.registry import load_checked_spec
     from pd_dflash.report import effective_gates, read_inputs, write_outputs
 
-    gates, spec = effective_gates(args.spec, args.allow_blocked or (), args.allow_unmeasured or ())
+    spec = load_checked_spec(args.spec) if args.spec else None
+    gates = effective_gates(spec, args.allow_blocked or (), args.allow_unmeasured or ())
     rows, sources = read_inputs(args.inputs)
     try:
         verdict = write_outputs(rows, args.out, gates, plots=bool(args.plots), spec=spec, sources=sources)

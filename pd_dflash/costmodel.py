@@ -1,4 +1,4 @@
-"""The design's §7 cost model: the hide inequality and the BM1 router-cost check (pure arithmetic).
+"""The design's cost model: the hide inequality and the BM1 router-cost check (pure arithmetic; docs/metrics.md).
 
 Engines call :func:`evaluate_hide_inequality` with the terms they measured; the report re-evaluates it from
 the stored terms, so a row and its verdict can never disagree. BW is always a measured figure.
@@ -60,13 +60,6 @@ def evaluate_hide_inequality(
         margin_seconds=window - fetch,
         hidden=fetch <= window,
     )
-
-
-def uniform_saturation(block_size: int, top_k: int, experts_per_layer: int) -> float:
-    """The design's planning figure s = min(1, B·k/E) (a bound; rows carry the measured saturation)."""
-    if experts_per_layer <= 0:
-        raise ValueError("experts_per_layer must be positive")
-    return min(1.0, block_size * top_k / experts_per_layer)
 
 
 def bm1_summary(t_router_seconds: float, t_verify_seconds: float) -> dict[str, float | bool]:

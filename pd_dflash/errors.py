@@ -27,7 +27,7 @@ def format_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
         got = err.get("input", _MISSING)
-        shown = "" if got is _MISSING or err.get("type") == "missing" else f" (got {_short(got)})"
+        shown = "" if got is _MISSING or err.get("type") == "missing" else f" (got {excerpt(got)})"
         lines.append(f"{path or '<root>'}: {msg}{shown}")
     return "; ".join(lines)
 
@@ -35,6 +35,20 @@ def format_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
 _MISSING = object()
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+def excerpt(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error message quotes at most this much of an input.
+
+    Long strings and containers are cut before they are rendered, so quoting a huge input costs no more than
+    quoting a short one; an integer too long to print is described by its size.
+    """
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        value = value[:limit]
+    elif isinstance(value, (list, tuple)) and len(value) > limit:
+        value = type(value)(value[:limit])
+    elif isinstance(value, dict) and len(value) > limit:
+        value = dict(list(value.items())[:limit])
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int over Python's digit limit; a nesting too deep to render
+        text = f"<{type(value).__name__} too large to print>"
     return text if len(text) <= limit else text[: limit - 3] + "..."

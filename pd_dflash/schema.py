@@ -1,6 +1,6 @@
 """The row contract: one row of metrics per cell, compatible with upstream's Phase-A rows.
 
-Upstream (research/upstream-phase-a.md §2) fixes the identity ``(model, baseline, block_size, concurrency,
+Upstream's row fixes the identity ``(model, baseline, block_size, concurrency,
 repeat)``, the ten ``REQUIRED_METRICS`` in order and units, and the optional ``status``, ``warnings`` and
 ``cost_terms``. pd-dflash keeps all of them and adds fields; it never renames or drops one. The one rule that
 differs: a metric the engine cannot measure is *absent* (with a warning, status ``PARTIAL``), never a 0.0.

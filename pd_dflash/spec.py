@@ -1,6 +1,7 @@
 """The sweep spec (YAML, validated strictly) and its expansion into cells with stable ids.
 
-A spec names the §8 matrix of the upstream design: models × baselines × block sizes × concurrency × repeats.
+A spec names the Phase-A matrix of the upstream design: models × baselines × block sizes × concurrency ×
+repeats.
 Expansion is deterministic; a cell id hashes the cell identity and every spec field that changes the
 measurement, so a stored row can be matched to its cell across runs (resume) and never silently reused for a
 different measurement.
@@ -11,11 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.upstream import (
@@ -27,9 +29,6 @@ from pd_dflash.upstream import (
     Baseline,
 )
 
-#: Built-in engines; a custom engine is named ``package.module:ClassName``.
-BUILTIN_ENGINES = ("reference", "moe_infinity")
-_CUSTOM_ENGINE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -53,7 +52,7 @@ class ModelSpec(_Strict):
     draft: str = ""
     offload_dir: str | None = None
     preset: str | None = None
-    #: Engine-specific options, validated by the engine's own options model (pd_dflash.engine.registry).
+    #: Engine-specific options, validated by the engine's own options model (``engine.registry.check``).
     engine_options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -156,6 +155,8 @@ class Local(_Strict):
 
 class SweepSpec(_Strict):
     name: Annotated[str, Field(min_length=1)]
+    #: A built-in engine or ``package.module:ClassName``; checked by ``engine.registry.check`` (the core knows
+    #: no engine).
     engine: str = "reference"
     models: Annotated[list[ModelSpec], Field(min_length=1)]
     baselines: Annotated[list[Baseline], Field(min_length=1)]
@@ -175,15 +176,6 @@ class SweepSpec(_Strict):
     def _name(cls, v: str) -> str:
         if not _NAME.match(v):
             raise ValueError("must be letters, digits, '.', '_' or '-' (it names the sweep and its job)")
-        return v
-
-    @field_validator("engine")
-    @classmethod
-    def _engine(cls, v: str) -> str:
-        if v not in BUILTIN_ENGINES and not _CUSTOM_ENGINE.match(v):
-            raise ValueError(
-                f"unknown engine {v!r}: use one of {', '.join(BUILTIN_ENGINES)} or 'module:Class'"
-            )
         return v
 
     @field_validator("baselines")
@@ -206,15 +198,6 @@ class SweepSpec(_Strict):
     def _models(cls, v: list[ModelSpec]) -> list[ModelSpec]:
         _unique([m.id for m in v], "models[].id")
         return v
-
-    @model_validator(mode="after")
-    def _engine_options(self) -> SweepSpec:
-        # Validate engine options now (plan must reject them) without importing any engine.
-        from pd_dflash.engine.registry import validate_engine_options
-
-        for i, m in enumerate(self.models):
-            validate_engine_options(self.engine, m, where=f"models.{i}")
-        return self
 
     # -- derived -------------------------------------------------------------------------------------------
     def model(self, model_id: str) -> ModelSpec:
@@ -341,10 +324,12 @@ def load_spec(path: str | Path) -> SweepSpec:
 # -- planning ---------------------------------------------------------------------------------------------
 
 
-def plan(spec: SweepSpec) -> dict[str, Any]:
-    """The plan `pd-dflash plan` prints: cells, counts per model × baseline, de-duplication savings, blocks."""
-    from pd_dflash.engine.registry import blocked_reason
+def plan(spec: SweepSpec, blocked_reason: Callable[[Cell], str | None] | None = None) -> dict[str, Any]:
+    """The plan `pd-dflash plan` prints: cells, counts per model × baseline, de-duplication savings, blocks.
 
+    ``blocked_reason(cell)`` says why the engine will not run a cell (the CLI passes the registry's); without
+    it no cell is blocked.
+    """
     cells = expand(spec)
     per_model: dict[str, dict[str, int]] = {}
     for c in cells:
@@ -358,7 +343,7 @@ def plan(spec: SweepSpec) -> dict[str, Any]:
     }
     blocked = []
     for c in cells:
-        reason = blocked_reason(spec.engine, c)
+        reason = blocked_reason(c) if blocked_reason is not None else None
         if reason:
             blocked.append({"cell_id": c.cell_id, "model": c.model, "baseline": c.baseline, "reason": reason})
     upstream_rows = len(spec.models) * len(spec.baselines) * len(spec.block_sizes) * len(spec.concurrency)

@@ -1,24 +1,31 @@
 """Static facts about each engine, readable without importing the engine (no torch, no Ray).
 
 The driver groups cells by what an engine can serve from one model load; ``plan`` reports what an engine
-cannot run before anything starts; the spec validates ``engine_options`` against the engine's options model.
+cannot run before anything starts. :func:`check` is the step that validates a spec's engine name and
+``engine_options`` against the engine's options model: every command that loads a spec for an engine calls it
+(the core ``spec`` module knows no engine).
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from pd_dflash.errors import InputError, format_validation_error
+from pd_dflash.errors import InputError, excerpt, format_validation_error
+from pd_dflash.spec import SweepSpec, load_spec
+from pd_dflash.upstream import BASELINE_ORDER
 
 if TYPE_CHECKING:
     from pd_dflash.engine.interface import Engine
     from pd_dflash.spec import Cell, ModelSpec
 
-ALL_BASELINES = frozenset({"B0", "B1", "B2", "B3", "OURS"})
+#: A custom engine is named ``package.module:ClassName``.
+CUSTOM_ENGINE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 @dataclass(frozen=True)
@@ -27,7 +34,7 @@ class EngineTraits:
     entry_point: str
     #: ``module:Class`` of the pydantic model validating ``engine_options`` (a pure module), or None.
     options_model: str | None = None
-    supported_baselines: frozenset[str] = ALL_BASELINES
+    supported_baselines: frozenset[str] = frozenset(BASELINE_ORDER)
     #: True when B3 (resident) needs its own model load, e.g. a device-memory ratio fixed at load time.
     separate_resident_load: bool = False
     #: Modules that must be importable where the engine runs (checked by the sweep's preflight).
@@ -43,7 +50,6 @@ BUILTIN: dict[str, EngineTraits] = {
         entry_point="pd_dflash.engine.reference.engine:ReferenceEngine",
         options_model="pd_dflash.engine.reference.options:ReferenceOptions",
         requires=("torch", "transformers"),
-        supported_baselines=ALL_BASELINES,
     ),
     "moe_infinity": EngineTraits(
         entry_point="pd_dflash.engine.moe_infinity.engine:MoEInfinityEngine",
@@ -92,6 +98,25 @@ def validate_engine_options(engine: str, model: ModelSpec, *, where: str) -> Bas
         return options_cls.model_validate(model.engine_options)
     except ValidationError as exc:
         raise InputError(format_validation_error(exc, prefix=f"{where}.engine_options")) from None
+
+
+def check(spec: SweepSpec, *, where: str | None = None) -> SweepSpec:
+    """The engine step of loading a spec for a command: a known engine name (or the ``module:Class`` form) and
+    each model's ``engine_options`` valid for that engine. Returns the spec; raises InputError (exit 2)."""
+    if spec.engine not in BUILTIN and not CUSTOM_ENGINE.match(spec.engine):
+        raise InputError(
+            f"engine: unknown engine {spec.engine!r}: use one of {', '.join(BUILTIN)} or 'module:Class' "
+            f"(got {excerpt(spec.engine)})",
+            where=where or "<spec>",
+        )
+    for i, model in enumerate(spec.models):
+        validate_engine_options(spec.engine, model, where=f"models.{i}")
+    return spec
+
+
+def load_checked_spec(path: str | Path) -> SweepSpec:
+    """``spec.load_spec`` followed by :func:`check`: how a command (plan, report --spec, run) loads a spec."""
+    return check(load_spec(path), where=str(path))
 
 
 def blocked_reason(engine: str, cell: Cell) -> str | None:

@@ -1,6 +1,6 @@
 """``pd-dflash report``: rows → result matrices, gates and the go/no-go verdict.
 
-Compatible with upstream's ``benchmarks/dflash/report.py`` files (research/upstream-phase-a.md §5): the same
+Compatible with the files of upstream's ``benchmarks/dflash/report.py`` (docs/metrics.md): the same
 group key ``model|B{b}|c{c}``, ``result_matrix.json`` as ``{group: {baseline: row}}``, the CSV's upstream
 columns first, the per-group JSON on stdout, exit 0 iff every group is complete. What it adds: repeats
 aggregated with confidence intervals, B0/B3 rows shared across block sizes, and the gates of docs/metrics.md.
@@ -21,7 +21,7 @@ from pd_dflash.report.gates import Expectations, evaluate, overall
 from pd_dflash.report.render import dumps, matrix_csv, matrix_json, matrix_markdown
 from pd_dflash.rows import ROWS_FILE, read_rows, write_atomic
 from pd_dflash.schema import Row
-from pd_dflash.spec import Gates, SweepSpec, load_spec
+from pd_dflash.spec import Gates, SweepSpec
 from pd_dflash.upstream import BASELINE_ORDER
 
 
@@ -80,12 +80,11 @@ def write_outputs(
 
 
 def effective_gates(
-    spec_path: str | Path | None,
+    spec: SweepSpec | None,
     allow_blocked: Sequence[str] = (),
     allow_unmeasured: Sequence[str] = (),
-) -> tuple[Gates, SweepSpec | None]:
-    """The gates of ``spec_path`` (built-in thresholds without one), widened by the command line's allowances."""
-    spec = load_spec(spec_path) if spec_path else None
+) -> Gates:
+    """The gates of ``spec`` (built-in thresholds without one), widened by the command line's allowances."""
     gates = spec.gates if spec is not None else Gates()
     extra = list(allow_blocked)
     unknown = [b for b in extra if b not in BASELINE_ORDER]
@@ -100,7 +99,7 @@ def effective_gates(
     try:
         return Gates.model_validate(
             {**gates.model_dump(), "allow_blocked": merged, "allow_unmeasured": unmeasured}
-        ), spec
+        )
     except ValidationError as exc:
         raise InputError(format_validation_error(exc), where="--allow-unmeasured") from None
 

@@ -1,6 +1,6 @@
 """`pd-dflash report` / `validate`: upstream-format rows, the Phase-A grid, bad inputs, import hygiene.
 
-Every row here is synthetic test data built in the test (upstream facts from research/upstream-phase-a.md §7,
+Every row here is synthetic test data built in the test (upstream's published gpt-oss OURS figures,
 or `expand(jobs/phase_a.yaml)` cells with made-up numbers); nothing is a measurement.
 """
 
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 PHASE_A = REPO / "jobs" / "phase_a.yaml"
 GPTOSS = "openai/gpt-oss-20b"
 
-# -- upstream-format fixtures (§7: the canonical gpt-oss OURS row, B=16, c=1) ---------------------------
+# -- upstream-format fixtures (the canonical gpt-oss OURS row of upstream's design, B=16, c=1) ------------
 
 CANONICAL_OURS = {
     "model": GPTOSS,
