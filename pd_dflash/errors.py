@@ -6,6 +6,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+#: The longest message an InputError prints (an error quotes a bounded excerpt of its input, never all of it).
+MAX_MESSAGE = 2000
+
 
 class InputError(Exception):
     """A bad input (spec, row file, CLI argument). The message names the field path or the file and line."""
@@ -13,7 +16,12 @@ class InputError(Exception):
     exit_code = 2
 
     def __init__(self, message: str, *, where: str | None = None):
+        if len(message) > MAX_MESSAGE:
+            message = message[:MAX_MESSAGE] + f"... ({len(message) - MAX_MESSAGE} more characters)"
+        if where is not None and len(where) > MAX_MESSAGE // 4:
+            where = where[: MAX_MESSAGE // 4] + "..."
         self.where = where
+        self.message = message
         super().__init__(f"{where}: {message}" if where else message)
 
 

@@ -11,7 +11,8 @@ from itertools import pairwise
 from typing import Any
 
 from pd_dflash.costmodel import bm1_summary, evaluate_hide_inequality
-from pd_dflash.report.aggregate import HIDE_TERMS, Group, Matrix, Placed, group_key
+from pd_dflash.report.aggregate import Group, Matrix, Placed, group_key
+from pd_dflash.report.brief import HIDE_TERMS
 from pd_dflash.schema import BLOCKED_STATUSES, FAILED_STATUSES, Status
 from pd_dflash.spec import Gates, SweepSpec
 from pd_dflash.upstream import BASELINE_ORDER, UPSTREAM_BASELINES
@@ -111,8 +112,8 @@ def _inspect(group: Group, expect: Expectations, allow: set[str], unmeasured_ok:
                     bucket = found.unmeasured if m in unmeasured_ok else found.partial
                     if m not in bucket.setdefault(b, []):
                         bucket[b].append(m)
-            if p.hide_mismatch:
-                text = f"repeat {p.row.repeat} ({p.source}): {p.hide_mismatch}"
+            if p.row.hide_mismatch:
+                text = f"repeat {p.row.repeat} ({p.source}): {p.row.hide_mismatch}"
                 found.mismatches.setdefault(b, []).append(text)
     found.blocked, found.allowed = sorted(set(found.blocked)), sorted(set(found.allowed))
     return found
@@ -205,15 +206,15 @@ def _hide(matrix: Matrix, group: Group, expect: Expectations) -> dict[str, Any]:
     key = group.key
     info = {}
     for b in group.by_baseline:
-        done = [p.hide["hidden"] for p in _measured(group, b) if p.hide is not None]
+        done = [p.row.hide_hidden for p in _measured(group, b) if p.row.hide_hidden is not None]
         if done:
             info[b] = {"hidden_repeats": sum(done), "repeats_with_terms": len(done), "on_means": None}
             info[b]["on_means"] = hide_on_means(matrix, key, b)
     mismatches = [
-        f"{b} repeat {p.row.repeat}: {p.hide_mismatch}"
+        f"{b} repeat {p.row.repeat}: {p.row.hide_mismatch}"
         for b, ps in group.by_baseline.items()
         for p in ps
-        if p.hide_mismatch
+        if p.row.hide_mismatch
     ]
     if mismatches:
         return _gate(
@@ -226,7 +227,7 @@ def _hide(matrix: Matrix, group: Group, expect: Expectations) -> dict[str, Any]:
     ours = _measured(group, "OURS")
     if not ours:
         return _gate(NOT_EVALUATED, "OURS not measured", per_baseline=info)
-    if any(p.hide is None for p in ours):
+    if any(p.row.hide_hidden is None for p in ours):
         return _gate(NOT_EVALUATED, "OURS rows carry no hide_inequality terms", per_baseline=info)
     on_means = info["OURS"]["on_means"]
     if on_means["hidden"]:

@@ -3,6 +3,7 @@ canvas (no pyplot, no global backend switch), so a long-lived collector process 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import re
 
@@ -14,7 +15,13 @@ _COLOR = {"B0": "tab:blue", "B1": "tab:orange", "B2": "tab:green", "B3": "tab:re
 
 
 def _slug(model: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_") or "model"
+    """A file-name stem unique per model id: ``/`` becomes ``_`` (``openai/gpt-oss-20b`` →
+    ``openai_gpt-oss-20b``); an id with any other character outside ``[A-Za-z0-9._-]`` (``_`` included) gets a
+    hash suffix after ``+``, a character the plain form never has, so ``a/b`` and ``a_b`` cannot collide."""
+    if re.fullmatch(r"[A-Za-z0-9.\-/]{1,100}", model) and not model.startswith("."):
+        return model.replace("/", "_")
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", model)[:80].strip("_.") or "model"
+    return f"{readable}+{hashlib.sha256(model.encode()).hexdigest()[:12]}"
 
 
 def _series(matrix: Matrix, model: str, column: str):

@@ -7,7 +7,8 @@ import io
 import json
 from typing import Any
 
-from pd_dflash.report.aggregate import EXTRA_COLUMNS, Matrix
+from pd_dflash.report.aggregate import Matrix
+from pd_dflash.report.brief import EXTRA_COLUMNS
 from pd_dflash.report.gates import DISABLED, FAIL, GATES, NOT_EVALUATED, PASS, bm1_on_means, hide_on_means
 from pd_dflash.spec import Gates
 from pd_dflash.upstream import BASELINE_ORDER, REQUIRED_METRICS, UPSTREAM_CSV_COLUMNS
@@ -33,10 +34,6 @@ CSV_COLUMNS: tuple[str, ...] = (*UPSTREAM_CSV_COLUMNS, *EXTRA_CSV_COLUMNS)
 def dumps(obj: Any) -> str:
     """JSON as upstream writes it: indent 2, sorted keys, trailing newline (and never NaN)."""
     return json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"
-
-
-def matrix_json(matrix: Matrix) -> str:
-    return dumps(matrix.rows)
 
 
 def _cell(value: Any) -> str:

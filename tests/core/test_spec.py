@@ -12,7 +12,8 @@ import yaml
 
 from pd_dflash.engine.registry import check
 from pd_dflash.errors import InputError
-from pd_dflash.spec import expand, load_spec, parse_spec, plan
+from pd_dflash.plan import plan
+from pd_dflash.spec import expand, load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
