@@ -15,8 +15,8 @@ knows at the moment it evicts (Belady's rule on an estimate of the future):
    history, or a prefetch issued for this round); farthest layer first;
 4. **now**: a key the layer computing now still has to acquire (a streaming layer).
 
-A prefetch may evict classes 0-1, and a history key of a farther layer than the one it fetches; it never evicts
-a predicted key of a layer still to run (it waits for the next layer instead). An on-demand fetch may evict
+A prefetch may evict classes 0-1 only: never a key the last round used at a layer still to run, nor a predicted
+key of a layer still to run (it waits for the next layer instead). An on-demand fetch may evict
 anything unpinned, in class order, so compute always progresses. B0/B1/B2 know no route-ahead prediction: their
 "prediction" is the last round's set plus what their AR prefetcher issued for this round (the history-only plan).
 
@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 
 Key = tuple[int, int]  # (layer, expert)
 NOT_WANTED, COMPUTED, HISTORY, PREDICTED, NOW = range(5)
-#: Classes a prefetch may evict (besides a history key of a farther layer, see ``prefetch_may_evict``).
+#: Classes a prefetch may evict (``prefetch_may_evict``; a speculative one: NOT_WANTED only).
 PREFETCH_VICTIMS = frozenset({NOT_WANTED, COMPUTED})
 
 
@@ -80,17 +80,15 @@ class RoundPlan:
         return NOT_WANTED, 0
 
     def prefetch_may_evict(self, victim: tuple[int, int], target: Key, *, speculative: bool = False) -> bool:
-        """A prefetch of ``target`` may evict a victim of this class: not wanted, computed, or a history key of
-        a layer that runs after ``target``'s. A ``speculative`` prefetch (a guess less likely to be used than a
-        computed key is to come back next round: the AR prefetcher's) may evict only what is not wanted."""
-        cls, order = victim
+        """A prefetch of ``target`` may evict a victim of this class: not wanted, or computed this round. A
+        ``speculative`` prefetch (a guess less likely to be used than a computed key is to come back next round:
+        the AR prefetcher's) may evict only what is not wanted."""
+        cls, _ = victim
         if cls == NOT_WANTED:
             return True
         if speculative:
             return False
-        if cls in PREFETCH_VICTIMS:
-            return True
-        return cls == HISTORY and -order > self.position[target[0]]
+        return cls in PREFETCH_VICTIMS
 
     def choose(
         self, candidates: Iterable[tuple[Key, int]], target: Key | None, *, speculative: bool = False

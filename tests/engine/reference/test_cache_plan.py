@@ -51,9 +51,9 @@ def test_a_prefetch_never_evicts_a_predicted_key_of_a_layer_still_to_run():
     only_predicted = [((1, 0), 0), ((2, 0), 1)]
     assert plan.choose(only_predicted, (1, 5)) is None
     assert plan.choose(only_predicted, None) == (2, 0)  # on demand: the farthest layer's, as a last resort
-    # A history key of a farther layer may make room for a nearer layer's prefetch, not the reverse.
-    assert plan.choose([((2, 1), 0)], (1, 5)) == (2, 1)
-    assert plan.choose([((2, 1), 0)], (2, 5)) is None
+    # Nor a key the last round used at a layer still to run (the round will likely need it again).
+    assert plan.choose([((2, 1), 0)], (1, 5)) is None
+    assert plan.choose([((2, 1), 0)], None) == (2, 1)
     # A speculative guess (the AR prefetcher's) displaces only what the plan does not want.
     plan.layer_started(0, [])
     plan.record_use((0, 3))
