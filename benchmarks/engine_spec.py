@@ -63,6 +63,7 @@ def summarize(row) -> dict:
         .get("any_compute"),
         "hidden": row.hide_inequality.hidden if row.hide_inequality else None,
         "digest": row.engine["output_digest"],
+        "max_new_tokens": row.max_new_tokens,
     }
 
 
@@ -193,7 +194,11 @@ def group_row(results: dict[tuple, list[dict]], b: int, conc: int, configs=BASEL
             "B1<OURS": tps["B1"] < tps["OURS"],
             "OURS<=B3": tps["OURS"] <= tps["B3"],
         },
-        "same_tokens": len({med[x]["digest"] for x in configs}) == 1,
+        # Configurations that generated the same number of tokens (B0's auto budget follows the largest B).
+        "same_tokens": len(
+            {med[x]["digest"] for x in configs if med[x]["max_new_tokens"] == med["B1"]["max_new_tokens"]}
+        )
+        == 1,
     }
 
 
@@ -221,7 +226,7 @@ def print_compare(cmp: dict) -> None:
         print(f"  OURS / B1 tokens/s = {group['ours_over_b1']:.3f}")
         verdict = "HOLDS" if group["ordering_b0_lt_b1_lt_ours_le_b3"] else "does NOT hold"
         print(
-            f"  ordering B0 < B1 < OURS <= B3 {verdict} ({parts}); same tokens in every configuration: "
+            f"  ordering B0 < B1 < OURS <= B3 {verdict} ({parts}); same tokens in every configuration of the same output length: "
             f"{group['same_tokens']}"
         )
 

@@ -92,8 +92,10 @@ class RouteAheadPrefetcher:
         #: The verified round's prediction per layer (what the statistics compare with the routing).
         self.predicted: dict[int, frozenset[int]] = {}
         self._queue: set[Key] = set()
-        #: The confident keys of the round being verified (see ``_confident``).
+        #: The confident keys of the round being verified, and of the pending blocks (None: to recompute after a
+        #: router pass or a verify changed them; see ``_confident``).
         self._sure: set[Key] = set()
+        self._pending_sure: set[Key] | None = None
         self._owners: list[tuple[object, int]] = []
         self._routed: dict[int, torch.Tensor] = {}
         self.counters = {
@@ -130,6 +132,7 @@ class RouteAheadPrefetcher:
                     self._prefill.add(rid)
                 else:
                     self._prefill.discard(rid)
+            self._pending_sure = None
 
     def _exact_first_layer(self, blocks: list[Block]) -> None:
         """The first MoE layer's exact gate input (its attention on the request's cache) for blocks without one;
@@ -197,7 +200,7 @@ class RouteAheadPrefetcher:
         """Before the verify forward: the verified blocks' prediction, reserved and issued in layer order."""
         self._owners, self._routed = owners, {}
         predicted: dict[int, set[int]] = {layer: set() for layer in self.layer_ids}
-        self._sure = self._confident_of([rid for rid, _ in owners])
+        self._sure, self._pending_sure = self._confident_of([rid for rid, _ in owners]), None
         for rid, _ in owners:
             for layer, es in self._prediction(rid).items():
                 predicted[layer] |= es
@@ -223,7 +226,7 @@ class RouteAheadPrefetcher:
     def end_round(self, cache, kept_spans: list[tuple[int, int]], finished: set) -> None:
         """Each continuing request's history becomes what its rows routed; issue it for its next round."""
         self._queue.clear()
-        self._sure = set()
+        self._sure, self._pending_sure = set(), None
         self._measure_round(kept_spans)
         row = 0
         for rid, rows in self._owners:
@@ -243,6 +246,7 @@ class RouteAheadPrefetcher:
     def forget(self, rid: object) -> None:
         for table in (self.routes, self.history, self.exact, self.row_keys):
             table.pop(rid, None)
+        self._pending_sure = None
         self._prefill.discard(rid)
 
     # -- internals ---------------------------------------------------------------------------------------------
@@ -250,7 +254,7 @@ class RouteAheadPrefetcher:
         """Verify only the rows worth their new experts (``verify_width.py``); lossless."""
         rid = block.request.rid
         rows = self.row_keys[rid]
-        keep = self.width.width(new_bytes_per_row(rows, cache.contains, self.expert_nbytes))
+        keep = self.width.width(new_bytes_per_row(rows, cache.contains, self.expert_nbytes, cache.num_slots))
         if keep == len(block.tokens):
             return
         self.target.release_prefix(block)
@@ -262,6 +266,7 @@ class RouteAheadPrefetcher:
         block.gate_inputs = {layer: x[:keep] for layer, x in block.gate_inputs.items()}
         self.row_keys[rid] = rows[:keep]
         self.routes[rid] = _union_per_layer(rows[:keep], self.layer_ids)
+        self._pending_sure = None
 
     def _measure_round(self, kept_spans: list[tuple[int, int]]) -> None:
         """Acceptance per verified block and seconds per committed token, for the cost-aware width."""
@@ -299,7 +304,9 @@ class RouteAheadPrefetcher:
         """Keys worth displacing a computed key for: an exact layer's, or predicted by both route-ahead and
         history (of the pending blocks and of the round being verified). The others (one source, a proxy layer)
         are prefetched only into slots the plan does not want."""
-        return self._confident_of(self.routes) | self._sure
+        if self._pending_sure is None:
+            self._pending_sure = self._confident_of(self.routes)
+        return self._pending_sure | self._sure
 
     def _confident_of(self, rids) -> set[Key]:
         out: set[Key] = set()
@@ -315,14 +322,18 @@ class RouteAheadPrefetcher:
         if not self.issue or cache.resident or not self._queue:
             return
         confident = self._confident()
+        speculative_blocked = False  # a speculative prefetch found no unwanted slot: no later one will either
         with nvtx_range("route_ahead_issue"):
             for key in sorted(self._queue, key=lambda k: (self.position[k[0]], k[1])):
                 cached = cache.contains(key)
                 sure = key in confident
+                if not sure and speculative_blocked and not cached:
+                    continue
                 if not cache.prefetch(key, speculative=not sure):
                     self.counters["waited_for_a_slot"] += 1
                     if sure:
                         return
+                    speculative_blocked = True
                     continue
                 self._queue.discard(key)
                 self.counters["already_cached" if cached else "issued"] += 1

@@ -6,8 +6,9 @@ the experts no earlier row needs and the cache neither holds nor is fetching: ``
 is one token if the first i drafts are all accepted, which happens with the measured probability
 ``p_i = P(accepted ≥ i)`` (the cell's own verify rounds so far), and a token is worth the measured seconds per
 committed token. Its cost is the link time of those bytes when they are wasted: an accepted row's experts are
-the ones the next round would fetch for the same tokens anyway, a rejected row's are not. The block is cut
-before the first row with
+the ones the next round would fetch for the same tokens anyway, a rejected row's are not. Once the block needs
+more distinct experts than the cache has slots, each new one also displaces an expert this round or the next
+needs again, so it counts twice. The block is cut before the first row with
 
     (1 − p_i) · new_bytes_i / link_bytes_per_second  >  p_i · seconds_per_token
 
@@ -95,12 +96,17 @@ class CostAwareWidth:
         }
 
 
-def new_bytes_per_row(rows: Sequence[set], is_cached, expert_nbytes: int) -> list[int]:
-    """Bytes each row adds: its (layer, expert) keys not needed by an earlier row and not cached or in flight."""
+def new_bytes_per_row(
+    rows: Sequence[set], is_cached, expert_nbytes: int, slots: int | None = None
+) -> list[int]:
+    """Bytes each row adds: its (layer, expert) keys not needed by an earlier row and not cached or in flight.
+    Once the rows so far need more distinct keys than the cache has ``slots``, a new key also displaces one the
+    round (or the next) needs again: it counts twice."""
     seen: set = set()
     out = []
     for keys in rows:
         new = {k for k in keys if k not in seen and not is_cached(k)}
         seen |= keys
-        out.append(len(new) * expert_nbytes)
+        factor = 2 if slots is not None and len(seen) > slots else 1
+        out.append(factor * len(new) * expert_nbytes)
     return out

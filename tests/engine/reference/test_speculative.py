@@ -32,7 +32,7 @@ WORKLOAD = {"requests": 4, "warmup_rounds": 1, "max_new_tokens": 40, "prompt_tok
 
 
 def spec_for(
-    drafter, baselines=("B0", "B1", "B2", "OURS"), concurrency=(1, 4), block_sizes=(8, 16), **options
+    drafter, baselines=("B0", "B1", "B2", "B3", "OURS"), concurrency=(1, 4), block_sizes=(8, 16), **options
 ):
     spec = make_spec(
         baselines=baselines,
@@ -56,7 +56,7 @@ def rows_by_drafter(request, micro):
 
 
 def test_greedy_speculative_output_equals_greedy_ar_for_every_configuration(rows_by_drafter):
-    """The test that proves the engine right: B1, B2 and OURS, B ∈ {8, 16}, c ∈ {1, 4}, each drafter."""
+    """The test that proves the engine right: B1, B2, B3 and OURS, B ∈ {8, 16}, c ∈ {1, 4}, each drafter."""
     drafter, rows = rows_by_drafter
     reference = rows[("B0", 8, 1)].engine["output_digest"]
     assert rows[("B0", 8, 4)].engine["output_digest"] == reference
@@ -73,7 +73,7 @@ def test_greedy_speculative_output_equals_greedy_ar_for_every_configuration(rows
             assert sum(k * v for k, v in hist.items()) / sum(hist.values()) == pytest.approx(
                 row.acceptance_length_a
             )
-    assert checked == 3 * 2 * 2
+    assert checked == 4 * 2 * 2
 
 
 def test_speculative_rows_carry_the_round_timings_bm1_and_hide_inequality(rows_by_drafter):

@@ -37,6 +37,9 @@ def test_new_bytes_per_row_counts_each_missing_key_once():
     rows = [{(0, 1)}, {(0, 1), (0, 2), (1, 5)}, {(0, 2), (1, 6)}]
     cached = {(1, 5)}
     assert new_bytes_per_row(rows, cached.__contains__, 10) == [10, 10, 10]
+    # With 3 slots: rows 0-1 need 3 distinct keys (they fit), row 2 makes it 5: its new key also displaces one
+    # the round or the next needs again, so it counts twice.
+    assert new_bytes_per_row(rows, cached.__contains__, 10, slots=3) == [10, 10, 20]
 
 
 class Clock:
