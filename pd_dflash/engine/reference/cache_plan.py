@@ -8,7 +8,8 @@ knows at the moment it evicts (Belady's rule on an estimate of the future):
 0. **not wanted**: a key of a layer still to run that is neither predicted nor in the last round's set, or a key
    of a layer this round has already computed that this round did not use (least recently used first);
 1. **computed**: a key this round has already used, at a layer that has run: needed again next round at the
-   earliest, the most recently computed layer last of all, so it goes first (the classic cyclic-sweep rule);
+   earliest. Keys the last round did not use go first (less stable), then the most recently computed layer's
+   (needed last of all in the next sweep: the classic cyclic-sweep rule);
 2. **history**: a key of a layer still to run that the last round used but nobody predicted (farthest layer
    first);
 3. **predicted** (reserved): a key of a layer still to run that this round's prediction names (route-ahead,
@@ -72,7 +73,11 @@ class RoundPlan:
         if key in self.now:
             return NOW, -pos
         if pos <= self.current:
-            return (COMPUTED, -pos) if key in self.used else (NOT_WANTED, 0)
+            if key not in self.used:
+                return NOT_WANTED, 0
+            # Needed next round: a key the last round did not use either is the less stable one, then the most
+            # recently computed layer's.
+            return COMPUTED, -pos + (len(self.position) if key in self.history else 0)
         if key in self.predicted:
             return PREDICTED, -pos
         if key in self.history:

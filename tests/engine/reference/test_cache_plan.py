@@ -28,8 +28,8 @@ def test_eviction_order_follows_the_round():
     plan.layer_started(1, [(1, 0), (1, 3)])
     plan.record_use((1, 0))
     assert plan.classify((0, 2)) == (NOT_WANTED, 0)  # computed layer, unused this round
-    assert plan.classify((0, 1)) == (COMPUTED, 0)
-    assert plan.classify((1, 0)) == (COMPUTED, -1)  # the layer computed last goes first among computed
+    assert plan.classify((0, 1)) == (COMPUTED, 3)  # used by the last round too: kept longer
+    assert plan.classify((1, 0)) == (COMPUTED, -1)  # new this round, and the layer computed last
     assert plan.classify((1, 3)) == (NOW, -1)  # this layer still has to acquire it
     assert plan.classify((2, 1)) == (HISTORY, -2)
     assert plan.classify((2, 0)) == (PREDICTED, -2)
