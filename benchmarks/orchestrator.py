@@ -41,7 +41,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from pd_dflash.engine.interface import EngineContext  # noqa: E402
 from pd_dflash.schema import Row, percentile  # noqa: E402
 from pd_dflash.spec import expand, parse_spec  # noqa: E402
-from pd_dflash.sweep.driver import RunOptions, run_sweep  # noqa: E402
+from pd_dflash.sweep.cluster import run_sweep  # noqa: E402
+from pd_dflash.sweep.driver import RunOptions  # noqa: E402
 from tests.sweep.engines import FixedDurationEngine, FixedDurationOptions  # noqa: E402
 
 MiB = 2**20

@@ -29,7 +29,7 @@ def options_from_args(args: argparse.Namespace):
 
 def run_main(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)  # a bad spec is reported before Ray is even imported
-    from pd_dflash.sweep.driver import run_sweep
+    from pd_dflash.sweep.cluster import run_sweep
 
     options = options_from_args(args)
     outcome = run_sweep(spec, options, address=args.address)

@@ -73,10 +73,6 @@ class Collector:
         self._ensure_open()
         self.store.update_run(patch)
 
-    def counts(self) -> dict[str, int]:
-        self._ensure_open()
-        return self.store.counts()
-
     def _write_matrices(self, *, plots: bool) -> dict[str, Any] | None:
         self._since_matrix = 0
         self._matrix_at = time.monotonic()

@@ -7,17 +7,21 @@ cluster has.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from pd_dflash.engine import registry
 from pd_dflash.errors import InputError
 from pd_dflash.spec import Hardware, SweepSpec
 from pd_dflash.sweep.collector import HEAD_RESOURCE
-from pd_dflash.sweep.runner import check_engine_importable
+from pd_dflash.sweep.manifest import environment_manifest
+from pd_dflash.sweep.runner import short
 from pd_dflash.sweep.store import Mode, check_resumable, probe_writable
 
 ACCELERATOR_PREFIX = "accelerator_type:"
@@ -187,6 +191,36 @@ def check_out_dir(out_dir: str, spec: SweepSpec, mode: Mode, *, timeout_s: float
     error = ray.get(ref)
     if error:
         raise PreflightError(error)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_engine_importable(engine: str, env: dict[str, str]) -> dict[str, Any]:
+    """Run as a task with a runner's resources on each box: can this box import the engine?"""
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    os.environ.update(env)
+    try:
+        traits = registry.traits(engine)
+    except Exception as exc:
+        return {"ok": False, "error": f"engine {engine!r}: {short(str(exc))}"}
+    missing = [m for m in traits.requires if not _importable(m)]
+    if missing:
+        hints = [traits.install_hints[m] for m in missing if m in traits.install_hints]
+        how = f"; {'; '.join(hints)}" if hints else ""
+        return {"ok": False, "error": f"modules not importable: {', '.join(missing)} (engine {engine}){how}"}
+    try:
+        registry.engine_class(engine)
+    except Exception as exc:
+        return {
+            "ok": False,
+            "error": f"cannot import {traits.entry_point}: {type(exc).__name__}: {short(str(exc), 300)}",
+        }
+    return {"ok": True, "python": environment_manifest()["python"]}
 
 
 def check_engine(spec: SweepSpec, boxes: list[Box], *, timeout_s: float) -> dict[str, dict[str, Any]]:

@@ -78,12 +78,6 @@ class Estimator:
     def _base(self, cell: Cell) -> float:
         return self.requests * cell.max_new_tokens * BASELINE_FACTOR.get(cell.baseline, 1.0)
 
-    def raw(self, cell: Cell) -> float:
-        """The estimate before any measurement (relative units)."""
-        return self._base(cell) * math.exp(
-            self.UNMEASURED_INTERCEPT + self.DEFAULT_SLOPE * math.log(cell.concurrency)
-        )
-
     @property
     def slope(self) -> float:
         return self._slope

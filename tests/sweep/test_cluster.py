@@ -1,6 +1,6 @@
 """The driver on a real multi-node Ray cluster (ray.cluster_utils.Cluster): a head and 2 boxes x 2 fake GPUs.
 
-One cluster for the whole module (ray-anchors.md §4). The node-removal test runs last: it takes a box away.
+One cluster for the whole module (a cluster start costs seconds). The node-removal test runs last: it takes a box away.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from pd_dflash.errors import InputError  # noqa: E402
 from pd_dflash.schema import Status, parse_row  # noqa: E402
 from pd_dflash.spec import expand  # noqa: E402
-from pd_dflash.sweep.driver import RunOptions, run_sweep  # noqa: E402
+from pd_dflash.sweep.cluster import run_sweep  # noqa: E402
+from pd_dflash.sweep.driver import RunOptions  # noqa: E402
 from pd_dflash.sweep.store import Mode, current_rows  # noqa: E402
 from tests.sweep.helpers import FAULT, REPO, make_spec, recorded, stored_rows  # noqa: E402
 
