@@ -119,3 +119,20 @@ def write_atomic(path: str | Path, text: str | bytes) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def append_json(path: str | Path, obj: dict) -> None:
+    """Append one JSON object as one line, durably as ``append_row`` (a sweep's ``events.jsonl``)."""
+    data = (json.dumps(obj, sort_keys=False, separators=(",", ":")) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)
+        except OSError:
+            os.ftruncate(fd, start)  # all or nothing: no half line for the next append to continue
+            raise
+    finally:
+        os.close(fd)

@@ -96,7 +96,11 @@ def validate_engine_options(engine: str, model: ModelSpec, *, where: str) -> Bas
 
 def blocked_reason(engine: str, cell: Cell) -> str | None:
     """Why this engine will not run the cell at all (known before any runner starts), or None."""
-    t = traits(engine)
+    return blocked_reason_for(traits(engine), engine, cell)
+
+
+def blocked_reason_for(t: EngineTraits, engine: str, cell: Cell) -> str | None:
+    """``blocked_reason`` from traits already at hand (the sweep's driver gets a custom engine's from preflight)."""
     if cell.baseline not in t.supported_baselines:
         return t.unsupported_reason.get(cell.baseline, f"engine {engine} does not implement {cell.baseline}")
     return None
@@ -104,6 +108,11 @@ def blocked_reason(engine: str, cell: Cell) -> str | None:
 
 def load_group(engine: str, cell: Cell) -> str:
     """Cells of one model with the same load group are served by one model load (model affinity)."""
-    if traits(engine).separate_resident_load and not cell.offloaded:
+    return load_group_for(traits(engine), cell)
+
+
+def load_group_for(t: EngineTraits, cell: Cell) -> str:
+    """``load_group`` from traits already at hand."""
+    if t.separate_resident_load and not cell.offloaded:
         return "resident"
     return "shared"

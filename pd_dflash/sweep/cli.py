@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 from pd_dflash.errors import InputError
 from pd_dflash.spec import load_spec
-from pd_dflash.sweep.store import Mode
+from pd_dflash.sweep.resume import Mode
 
 
 def options_from_args(args: argparse.Namespace):
@@ -24,6 +25,7 @@ def options_from_args(args: argparse.Namespace):
         options.cell_timeout_s = timeout
     if args.no_progress:
         options.progress = False
+    options.insecure = args.insecure
     return options
 
 
@@ -33,4 +35,10 @@ def run_main(args: argparse.Namespace) -> int:
 
     options = options_from_args(args)
     outcome = run_sweep(spec, options, address=args.address)
+    if outcome.outcome == "storage_failed":
+        print(
+            f"pd-dflash run: error: {outcome.stopped}; the sweep stopped (rerun to resume)", file=sys.stderr
+        )
+    elif outcome.outcome == "interrupted":
+        print(f"pd-dflash run: stopped by {outcome.stopped}", file=sys.stderr)
     return outcome.exit_code

@@ -8,6 +8,7 @@ rows to the collector (``sink.Sink``) and hands failures to the health policy (`
 
 from __future__ import annotations
 
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 import ray
 
 from pd_dflash.engine import registry
+from pd_dflash.engine.registry import EngineTraits
 from pd_dflash.rows import ROWS_FILE
 from pd_dflash.schema import FAILED_STATUSES, Row, Status
 from pd_dflash.spec import SweepSpec, expand
@@ -35,9 +37,10 @@ from pd_dflash.sweep.pool import (
 )
 from pd_dflash.sweep.preflight import Box
 from pd_dflash.sweep.progress import Progress, format_duration
+from pd_dflash.sweep.resume import Mode, StoredCell, cells_to_run
 from pd_dflash.sweep.scheduler import Estimator, Scheduler, Task, load_key
 from pd_dflash.sweep.sink import Sink, cause_line
-from pd_dflash.sweep.store import Mode, StoredCell, cells_to_run, utc_now
+from pd_dflash.sweep.store import utc_now
 
 
 @dataclass
@@ -61,12 +64,23 @@ class RunOptions:
     matrix_every_s: float = 30.0
     #: Render the PNG plots with the final matrices (seconds of matplotlib; periodic rewrites never do).
     plots: bool = True
+    #: Accept a cluster without token authentication (a warning instead of a refusal).
+    insecure: bool = False
 
     def recorded(self) -> dict[str, Any]:
         """The options as sweep.json records them."""
         return {
             k: (str(v) if isinstance(v, Mode) else v) for k, v in self.__dict__.items() if k != "progress"
         }
+
+
+class SweepInterrupted(BaseException):
+    """SIGINT or SIGTERM arrived (raised by the handler ``cluster.run_sweep`` installs): stop cleanly."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
 
 
 @dataclass
@@ -80,13 +94,21 @@ class Outcome:
     loads: int
     wall_s: float
     out_of_rotation: list[dict[str, Any]]
+    #: finished, no_box_left, storage_failed or interrupted (also in sweep.json).
+    outcome: str = "finished"
+    #: What stopped the sweep early: the signal's name, or the storage failure; None otherwise.
+    stopped: str | None = None
     #: Orchestration figures (benchmarks/orchestrator.py): per-cell runner gaps, cell and load times.
     stats: dict[str, Any] = field(default_factory=dict)
 
 
 class SweepDriver:
-    def __init__(self, spec: SweepSpec, options: RunOptions, progress: Progress | None = None) -> None:
+    def __init__(
+        self, spec: SweepSpec, options: RunOptions, progress: Progress | None = None, *, local: bool = False
+    ) -> None:
         self.spec = spec
+        #: Local mode (a loopback-only cluster this process started) or a cluster run (auth is checked).
+        self.local = local
         self.opts = options
         self.cells = expand(spec)
         self.estimator = Estimator(spec)
@@ -97,18 +119,26 @@ class SweepDriver:
         self.sink = Sink(spec, self.estimator, self._event)
         self.health = Health(spec, options, self.boxes, self.pool, self.scheduler, self.sink, self._event)
         self.todo = 0
+        #: The engine's traits as preflight found them on a box (the driver never imports the engine).
+        self.traits: EngineTraits | None = None
 
     def _event(self, message: str) -> None:
         self.progress.event(message)
 
     # -- setup ----------------------------------------------------------------------------------------------
     def preflight(self) -> None:
+        if not self.local:
+            mode = preflight.cluster_auth_mode(timeout_s=self.opts.preflight_timeout_s)
+            warning = preflight.check_auth(mode, insecure=self.opts.insecure)
+            if warning:
+                self._event(warning)
         self.boxes[:] = preflight.survey(self.spec, ray.nodes())
         preflight.check_resources(self.spec, self.boxes)
         preflight.check_out_dir(
             self.opts.out_dir, self.spec, self.opts.mode, timeout_s=self.opts.preflight_timeout_s
         )
-        preflight.check_engine(self.spec, self.boxes, timeout_s=self.opts.preflight_timeout_s)
+        self.traits = preflight.check_engine(self.spec, self.boxes, timeout_s=self.opts.preflight_timeout_s)
+        self.scheduler.traits = self.traits
         fits = ", ".join(f"{b.label}: {b.capacity}" for b in self.boxes if b.capacity)
         self._event(
             f"preflight ok: {sum(b.capacity for b in self.boxes)} runners fit "
@@ -123,7 +153,7 @@ class SweepDriver:
         )
         blocked = 0
         for cell, attempt in todo:
-            reason = registry.blocked_reason(self.spec.engine, cell)
+            reason = registry.blocked_reason_for(self.traits, self.spec.engine, cell)
             if reason:
                 blocked += 1
                 row = Row.without_metrics(
@@ -133,7 +163,7 @@ class SweepDriver:
             else:
                 self.scheduler.add(Task(cell=cell, attempt=attempt))
         self.todo = len(todo)
-        keys = sorted({load_key(self.spec.engine, c) for c, _ in todo})
+        keys = sorted({load_key(self.spec.engine, c, self.traits) for c, _ in todo})
         self._event(
             f"sweep {self.spec.name} (fingerprint {self.spec.fingerprint()}): {len(self.cells)} cells, "
             f"{len(stored)} already stored, {len(todo)} to run ({retried} retried, {blocked} refused by the "
@@ -230,16 +260,14 @@ class SweepDriver:
         return max(0.0, min(self.opts.poll_s, until + 0.01))
 
     # -- the loop -------------------------------------------------------------------------------------------
-    def _loop(self) -> int:
-        """Run until every cell has a row; returns the number of cells left unrun (no box left)."""
-        while True:
+    def _loop(self) -> None:
+        """Run until every cell has a row, no box is left, or the collector cannot store any more."""
+        while not self.sink.storage_error:
             self.health.refresh()
             self._fill()
             if not self.pool.in_flight():
-                if not self.scheduler.has_pending():
-                    return 0
-                if not any(s.usable for s in self.pool.slots):
-                    return self.scheduler.pending_count()
+                if not self.scheduler.has_pending() or not any(s.usable for s in self.pool.slots):
+                    return
                 # Every usable runner is idle by choice and nothing runs: cannot happen unless all holders
                 # vanished at once; the next pass (after a refresh) reassigns. Avoid a busy spin.
                 time.sleep(self.opts.poll_s)
@@ -274,25 +302,29 @@ class SweepDriver:
         started = time.monotonic()
         self.preflight()
         stored = self.sink.open(self.opts.out_dir, self.opts.mode, self.boxes, self.opts.recorded())
-        unrun = 0
+        stop: SweepInterrupted | None = None
+        loop_started = loop_finished = time.time()
         try:
             self._plan(stored)
             for box in self.boxes:
                 self.pool.add_box(box)
             self._show(force=True)
             loop_started = time.time()
-            unrun = self._loop()
-            loop_finished = time.time()
+            self._loop()
+        except SweepInterrupted as exc:
+            stop = exc
+            self._event(f"{exc.name} received: stopping the runners and writing what is stored")
+            self.sink.log("interrupted", signal=exc.name)
         finally:
+            loop_finished = time.time()
             for slot in self.pool.slots:
-                self.pool.kill(slot)
+                self.health.stop_runner(slot)
             self.progress.close()
-        self.sink.drain()
+        self.sink.drain(10.0 if stop else 60.0)
         wall = time.monotonic() - started
-        if unrun:
-            self._event(f"{unrun} cells not run: no box left in rotation (rerun to resume them)")
-        summary = self.sink.finish(self._run_record(wall, unrun), self.opts.plots)
-        exit_code = self._summarise(summary, wall)
+        unrun = max(0, self.todo - self.sink.finished)
+        summary = self.sink.finish(self._run_record(wall, unrun, stop), self.opts.plots and stop is None)
+        exit_code = self._summarise(summary, wall, unrun, stop)
         return Outcome(
             exit_code=exit_code,
             out_dir=self.opts.out_dir,
@@ -302,27 +334,43 @@ class SweepDriver:
             loads=self.pool.loads,
             wall_s=wall,
             out_of_rotation=self.health.out_of_rotation,
+            outcome=self._outcome(stop, unrun),
+            stopped=stop.name if stop else summary["storage_error"],
             stats={
                 **self.sink.figures.__dict__,
                 "runners": len(self.pool.slots),
                 "loop_started": loop_started,
                 "loop_finished": loop_finished,
-                "load_keys": len({load_key(self.spec.engine, c) for c in self.cells}),
+                "load_keys": len({load_key(self.spec.engine, c, self.traits) for c in self.cells}),
             },
         )
 
-    def _run_record(self, wall: float, unrun: int) -> dict[str, Any]:
-        return {
+    def _outcome(self, stop: SweepInterrupted | None, unrun: int) -> str:
+        if stop is not None:
+            return "interrupted"
+        if self.sink.storage_error:
+            return "storage_failed"
+        return "no_box_left" if unrun else "finished"
+
+    def _run_record(self, wall: float, unrun: int, stop: SweepInterrupted | None) -> dict[str, Any]:
+        record = {
             "finished_at": utc_now(),
             "wall_seconds": round(wall, 3),
             "model_loads": self.pool.loads,
             "cells_run": self.sink.finished,
             "cells_not_run": unrun,
             "out_of_rotation": self.health.out_of_rotation,
+            "outcome": self._outcome(stop, unrun),
         }
+        if stop is not None:
+            record["signal"] = stop.name
+        return record
 
-    def _summarise(self, summary: dict[str, Any], wall: float) -> int:
-        """Log the outcome; 0 when every cell has a row, none failed and the matrices were written."""
+    def _summarise(
+        self, summary: dict[str, Any], wall: float, unrun: int, stop: SweepInterrupted | None
+    ) -> int:
+        """Log the outcome and return the exit code: 0 when every cell has a row, none failed and the matrices
+        were written; 1 otherwise; 128 + the signal's number when a signal stopped the sweep."""
         counts = summary["counts"]
         failed_now = sum(1 for s in summary["current_statuses"].values() if Status(s) in FAILED_STATUSES)
         for err in summary["matrix_errors"]:
@@ -338,5 +386,16 @@ class SweepDriver:
             self._event(summary["outputs"]["overall"]["line"])
         if failed_now:
             self._event(f"{failed_now} cells failed (ERROR/TIMEOUT, see errors/); --retry-errors reruns them")
+        if stop is not None:
+            self._event(f"stopped by {stop.name}: {unrun} cells not run; rerun with the same --out to resume")
+            return 128 + stop.signum
+        if summary["storage_error"]:
+            self._event(
+                f"stopped: {summary['storage_error']}. Stored rows are intact; free the space (or fix the disk) "
+                "and rerun with the same --out to resume"
+            )
+            return 1
+        if unrun:
+            self._event(f"{unrun} cells not run: no box left in rotation (rerun to resume them)")
         complete = counts["stored"] == counts["total"]
         return 0 if complete and not failed_now and not summary["matrix_errors"] else 1

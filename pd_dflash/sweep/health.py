@@ -10,6 +10,8 @@
 - a box whose runners fail ``breaker_threshold`` times in a row, whose node leaves the cluster or whose device
   does not match the spec is taken out of rotation (log line + sweep.json) and its cells go to the other boxes;
   boxes that join the cluster get slots.
+
+Each of these is also appended to the results directory's ``events.jsonl`` (``Sink.log``).
 """
 
 from __future__ import annotations
@@ -83,12 +85,14 @@ class Health:
     def _count_load_failure(self, slot: Slot, key: LoadKey, reason: str, detail: str, *, died: bool) -> None:
         self.pool.kill(slot)
         self.load_failures[key] += 1
-        self._event(
-            f"{slot.name}: {reason} (load failure {self.load_failures[key]}/{self.opts.max_attempts})"
-        )
-        if self.load_failures[key] >= self.opts.max_attempts:
+        failures = self.load_failures[key]
+        self._event(f"{slot.name}: {reason} (load failure {failures}/{self.opts.max_attempts})")
+        where = {"runner": slot.name, "model": key[0], "load_group": key[1]}
+        self.sink.log("load_failed", **where, reason=reason, failures=failures)
+        if failures >= self.opts.max_attempts:
             dropped = self.scheduler.drop_key(key)
             self._event(f"giving up on {key[0]} ({key[1]}): {len(dropped)} cells stored as ERROR")
+            self.sink.log("model_given_up", **where, cells=len(dropped))
             why = f"model could not be loaded ({self.load_failures[key]} tries): {reason}"
             for task in dropped:
                 self.sink.fail(task, Status.ERROR, why, detail, slot)
@@ -99,6 +103,8 @@ class Health:
         running = next((c for c in slot.calls if c.started is not None), None)
         what = f" running {running.task.cell.cell_id}" if running else ""
         self._event(f"{slot.name}: {cause}{what}; requeued")
+        cell_id = running.task.cell.cell_id if running else None
+        self.sink.log("runner_died", runner=slot.name, node_id=slot.box.node_id, cause=cause, cell_id=cell_id)
         self.release(slot, cause, interrupted=True)
         self._box_failure(slot.box, cause, died=True)
 
@@ -108,6 +114,12 @@ class Health:
             f"no result within --cell-timeout {self.opts.cell_timeout_s:g} s on {slot.name}; runner killed"
         )
         self._event(f"{slot.name}: cell {task.cell.cell_id} timed out; runner killed")
+        what = {
+            "cell_id": task.cell.cell_id,
+            "attempt": task.attempt,
+            "cell_timeout_s": self.opts.cell_timeout_s,
+        }
+        self.sink.log("timeout", runner=slot.name, **what)
         self.sink.fail(task, Status.TIMEOUT, reason, reason, slot)
         self.release(slot, "killed after a timeout", interrupted=False)
         self._box_failure(slot.box, "cell timeout", died=False)
@@ -127,9 +139,21 @@ class Health:
                 if task.tries >= self.opts.max_attempts:
                     reason = f"runner died {task.tries} times while running this cell (last: {cause})"
                     self.sink.fail(task, Status.ERROR, reason, f"last failure on {slot.name}: {cause}", slot)
+                    self.sink.log(
+                        "retries_exhausted", cell_id=task.cell.cell_id, tries=task.tries, cause=cause
+                    )
                     continue
                 task.attempt += 1
             self.scheduler.add(task)
+            was_running = call.started is not None
+            what = {"cell_id": task.cell.cell_id, "attempt": task.attempt, "was_running": was_running}
+            self.sink.log("requeued", **what, runner=slot.name, cause=cause)
+
+    def stop_runner(self, slot: Slot) -> None:
+        """The sweep is over (or stopping): kill the runner, keep any result that already arrived."""
+        for call, out in self.pool.release(slot):
+            if out is not None:
+                self.sink.record(slot, call, out)
 
     # -- boxes ----------------------------------------------------------------------------------------------
     def _box_failure(self, box: Box, cause: str, *, died: bool) -> None:
@@ -149,6 +173,7 @@ class Health:
             {"box": box.label, "node_id": box.node_id, "reason": reason, "at": utc_now()}
         )
         self._event(f"box {box.label} taken out of rotation: {reason}")
+        self.sink.log("box_out_of_rotation", box=box.label, node_id=box.node_id, reason=reason)
         for slot in self.pool.slots:
             if slot.box is box and slot.holds_model:
                 self.release(slot, f"box {box.label} out of rotation: {reason}", interrupted=True)
@@ -175,3 +200,4 @@ class Health:
                 self.boxes.append(box)
                 self.pool.add_box(box)
                 self._event(f"box {box.label} joined: {box.capacity} runner(s)")
+                self.sink.log("box_joined", box=box.label, node_id=box.node_id, runners=box.capacity)

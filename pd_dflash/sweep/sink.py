@@ -1,8 +1,9 @@
-"""The driver's side of the collector: open the results directory, forward rows, count them, keep the figures.
+"""The driver's side of the collector: open the results directory, forward rows and events, count them.
 
-Rows go to the collector actor without waiting (``add.remote``); the replies are checked on every pass of the
-loop, so a rejected row is reported while the sweep runs. The per-run figures the benchmark reads (runner gaps,
-cell and load times) are kept here, next to the rows they come from.
+Rows and events go to the collector actor without waiting (``add.remote``, ``event.remote``); the replies are
+checked on every pass of the loop, so a rejected row is reported while the sweep runs and a collector that
+cannot store (``StorageError``: disk full, I/O error) sets ``storage_error``, on which the driver stops. The
+per-run figures the benchmark reads (runner gaps, cell and load times) are kept here too.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from pd_dflash.sweep.collector import Collector
 from pd_dflash.sweep.manifest import environment_manifest
 from pd_dflash.sweep.pool import Call, Slot
 from pd_dflash.sweep.preflight import Box
+from pd_dflash.sweep.resume import Mode, StoredCell
 from pd_dflash.sweep.scheduler import Estimator, Task
-from pd_dflash.sweep.store import Mode, StoredCell, utc_now
+from pd_dflash.sweep.store import StorageError, utc_now
 
 NAMESPACE = "pd-dflash"
 
@@ -55,6 +57,8 @@ class Sink:
         self.finished = 0
         self.failed = 0
         self.figures = Figures()
+        #: Why the collector cannot store any more (the sweep must stop), or None.
+        self.storage_error: str | None = None
 
     # -- opening --------------------------------------------------------------------------------------------
     def open(
@@ -86,6 +90,9 @@ class Sink:
             self._event(f"--restart: previous contents archived to {opened['archived']}")
         if opened["torn_tail_moved_to"]:
             self._event(f"repaired a torn last line of {ROWS_FILE} (kept in {opened['torn_tail_moved_to']})")
+        if opened["removed_stale_files"]:
+            files = ", ".join(opened["removed_stale_files"])
+            self._event(f"removed temporary files an interrupted write left: {files}")
         return {k: StoredCell(Status(s), a) for k, (s, a) in opened["stored"].items()}
 
     def _start_collector(
@@ -144,6 +151,10 @@ class Sink:
             self.figures.gap_queued.append(call.queued)
         slot.last_finished = out["finished"]
 
+    def log(self, kind: str, **fields: Any) -> None:
+        """Append an event to the results directory's events.jsonl (runner deaths, requeues, timeouts...)."""
+        self.adds.append(self.collector.event.remote({"event": kind, **fields}))
+
     def check_adds(self) -> None:
         if not self.adds:
             return
@@ -151,13 +162,17 @@ class Sink:
         for ref in done:
             try:
                 ray.get(ref)
+            except StorageError as exc:
+                if self.storage_error is None:
+                    self.storage_error = str(getattr(exc, "cause", exc))
+                    self._event(f"cannot store results: {self.storage_error}; stopping the sweep")
             except RayError as exc:
                 self._event(
                     f"the collector rejected a row (not stored; resume will rerun it): {cause_line(exc)}"
                 )
 
     def update_run(self, patch: dict[str, Any]) -> None:
-        self.collector.update_run.remote(patch)
+        self.adds.append(self.collector.update_run.remote(patch))
 
     # -- the end --------------------------------------------------------------------------------------------
     def drain(self, timeout_s: float = 60.0) -> None:
