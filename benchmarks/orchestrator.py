@@ -54,7 +54,7 @@ from pd_dflash.engine.interface import EngineContext  # noqa: E402
 from pd_dflash.schema import Row, percentile  # noqa: E402
 from pd_dflash.spec import expand, parse_spec  # noqa: E402
 from pd_dflash.sweep.cluster import run_sweep  # noqa: E402
-from pd_dflash.sweep.driver import RunOptions  # noqa: E402
+from pd_dflash.sweep.options import RunOptions  # noqa: E402
 from tests.sweep.engines import FixedDurationEngine, FixedDurationOptions  # noqa: E402
 
 MiB = 2**20
@@ -156,10 +156,17 @@ def report_default(args, spec, outcome) -> None:
         f"dispatch overhead per cell (runner idle gap between consecutive cells, n={len(stats['gaps_s'])}): "
         + gap_line(stats["gaps_s"], "<= 20 ms")
     )
-    for queued, what in ((True, "queued behind the previous cell"), (False, "sent after the previous finished")):
-        part = sorted(g * 1000 for g, q in zip(stats["gaps_s"], stats["gap_queued"], strict=True) if q == queued)
+    for queued, what in (
+        (True, "queued behind the previous cell"),
+        (False, "sent after the previous finished"),
+    ):
+        part = sorted(
+            g * 1000 for g, q in zip(stats["gaps_s"], stats["gap_queued"], strict=True) if q == queued
+        )
         if part:
-            print(f"  {what}: n={len(part)}, median {percentile(part, 50):.1f} ms, p99 {percentile(part, 99):.1f} ms")
+            print(
+                f"  {what}: n={len(part)}, median {percentile(part, 50):.1f} ms, p99 {percentile(part, 99):.1f} ms"
+            )
     print(
         f"makespan {makespan:.1f} s; ideal bound max(sum of cell times / {gpus} GPUs, longest cell) = {bound:.1f} s "
         f"-> {makespan / bound:.3f} x bound; with one runner start + model load per GPU "
@@ -212,6 +219,8 @@ def drive(address: str, cells: int, seconds: float, result: Path) -> int:
         "wall_s": outcome.wall_s,
         "loop_s": outcome.stats["loop_finished"] - outcome.stats["loop_started"],
         "gaps_s": outcome.stats["gaps_s"],
+        "gap_queued": outcome.stats["gap_queued"],
+        "react_s": outcome.stats["react_s"],
         "cpu_s": cpu,
         "peak_rss_mib": usage.ru_maxrss / 1024,
         "rss_before_mib": rss_before_kib / 1024,
@@ -239,11 +248,17 @@ def main_scale(args) -> int:
     )
     for r in results:
         assert r["stored"] == r["cells"], r
+        sent_after = [g for g, q in zip(r["gaps_s"], r["gap_queued"], strict=True) if not q]
         print(
             f"{r['cells']} cells, {r['runners']} runners, {r['loads']} loads, loop {r['loop_s']:.1f} s "
-            f"({r['cells'] / r['loop_s']:.0f} cells/s): dispatch gap (n={len(r['gaps_s'])}) "
+            f"({r['cells'] / r['loop_s']:.0f} cells/s)\n"
+            f"  dispatch gap, runner idle between consecutive cells (n={len(r['gaps_s'])}): "
             + gap_line(r["gaps_s"], "p99 <= 5 ms")
-            + f"; driver CPU {r['cpu_s']:.1f} s = {1000 * r['cpu_s'] / r['cells']:.2f} ms/cell; "
+            + (f"; of which sent after the previous finished (n={len(sent_after)}): " if sent_after else "")
+            + (gap_line(sent_after, "-") if sent_after else "")
+            + f"\n  driver reaction, results noticed -> next cells submitted (n={len(r['react_s'])}): "
+            + gap_line(r["react_s"], "p99 <= 5 ms")
+            + f"\n  driver CPU {r['cpu_s']:.1f} s = {1000 * r['cpu_s'] / r['cells']:.2f} ms/cell; "
             f"driver peak RSS {r['peak_rss_mib']:.0f} MiB ({r['rss_before_mib']:.0f} MiB before the sweep)"
         )
     small, large = results[0], results[-1]
@@ -263,11 +278,17 @@ def main() -> int:
     p.add_argument("--boxes", type=int, default=None, help="default 3 (8 with --scale)")
     p.add_argument("--gpus-per-box", type=int, default=None, help="default 2 (4 with --scale)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seconds", type=float, default=None, help="base cell duration (default 1.0; 0.5 with --scale)")
+    p.add_argument(
+        "--seconds", type=float, default=None, help="base cell duration (default 1.0; 0.5 with --scale)"
+    )
     p.add_argument("--load-seconds", type=float, default=0.5, help="engine construction time per model load")
     p.add_argument("--quick", action="store_true", help="1 repeat and no upstream run")
-    p.add_argument("--no-upstream", action="store_true", help="skip the upstream-way run (~6 minutes of sleeps)")
-    p.add_argument("--scale", action="store_true", help="1,000+ cells on 8 boxes x 4 GPUs: dispatch and driver cost")
+    p.add_argument(
+        "--no-upstream", action="store_true", help="skip the upstream-way run (~6 minutes of sleeps)"
+    )
+    p.add_argument(
+        "--scale", action="store_true", help="1,000+ cells on 8 boxes x 4 GPUs: dispatch and driver cost"
+    )
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1000, 4000])
     p.add_argument("--drive", metavar="ADDRESS", help=argparse.SUPPRESS)
     p.add_argument("--cells", type=int, help=argparse.SUPPRESS)

@@ -12,7 +12,7 @@ from pd_dflash.sweep.resume import Mode
 
 
 def options_from_args(args: argparse.Namespace):
-    from pd_dflash.sweep.driver import RunOptions
+    from pd_dflash.sweep.options import RunOptions
 
     if args.max_attempts < 1:
         raise InputError(f"must be at least 1, got {args.max_attempts}", where="--max-attempts")

@@ -26,7 +26,8 @@ from ray._private import ray_constants
 
 from pd_dflash.spec import SweepSpec
 from pd_dflash.sweep import preflight
-from pd_dflash.sweep.driver import Outcome, RunOptions, SweepDriver, SweepInterrupted
+from pd_dflash.sweep.driver import SweepDriver
+from pd_dflash.sweep.options import Outcome, RunOptions, SweepInterrupted
 from pd_dflash.sweep.resume import check_resumable, probe_writable
 from pd_dflash.sweep.sink import NAMESPACE
 

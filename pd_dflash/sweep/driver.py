@@ -8,10 +8,8 @@ rows to the collector (``sink.Sink``) and hands failures to the health policy (`
 
 from __future__ import annotations
 
-import signal
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -23,6 +21,7 @@ from pd_dflash.schema import FAILED_STATUSES, Row, Status
 from pd_dflash.spec import SweepSpec, expand
 from pd_dflash.sweep import preflight
 from pd_dflash.sweep.health import Health
+from pd_dflash.sweep.options import Outcome, RunOptions, SweepInterrupted
 from pd_dflash.sweep.pool import (
     CellDone,
     CellFailed,
@@ -42,64 +41,8 @@ from pd_dflash.sweep.scheduler import Estimator, Scheduler, Task, load_key
 from pd_dflash.sweep.sink import Sink, cause_line
 from pd_dflash.sweep.store import utc_now
 
-
-@dataclass
-class RunOptions:
-    out_dir: str
-    mode: Mode = Mode.RESUME
-    max_attempts: int = 3
-    #: Per-cell watchdog; a cell running longer is killed and stored as TIMEOUT.
-    cell_timeout_s: float = 3600.0
-    #: A model load (runner start included) running longer is killed and counted as a load failure.
-    load_timeout_s: float = 3600.0
-    preflight_timeout_s: float = 180.0
-    #: None: a bar on a terminal, log lines otherwise; False: log lines.
-    progress: bool | None = None
-    #: Calls kept on a runner: the running one plus one queued behind it (hides the dispatch round trip).
-    queue_depth: int = 2
-    breaker_threshold: int = 3
-    poll_s: float = 0.5
-    refresh_s: float = 2.0
-    matrix_every_rows: int = 20
-    matrix_every_s: float = 30.0
-    #: Render the PNG plots with the final matrices (seconds of matplotlib; periodic rewrites never do).
-    plots: bool = True
-    #: Accept a cluster without token authentication (a warning instead of a refusal).
-    insecure: bool = False
-
-    def recorded(self) -> dict[str, Any]:
-        """The options as sweep.json records them."""
-        return {
-            k: (str(v) if isinstance(v, Mode) else v) for k, v in self.__dict__.items() if k != "progress"
-        }
-
-
-class SweepInterrupted(BaseException):
-    """SIGINT or SIGTERM arrived (raised by the handler ``cluster.run_sweep`` installs): stop cleanly."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-        self.name = signal.Signals(signum).name
-
-
-@dataclass
-class Outcome:
-    exit_code: int
-    out_dir: str
-    counts: dict[str, int]
-    #: Cells this run measured (rows stored, any status), and cells it could not run (no box left).
-    cells_run: int
-    unrun: int
-    loads: int
-    wall_s: float
-    out_of_rotation: list[dict[str, Any]]
-    #: finished, no_box_left, storage_failed or interrupted (also in sweep.json).
-    outcome: str = "finished"
-    #: What stopped the sweep early: the signal's name, or the storage failure; None otherwise.
-    stopped: str | None = None
-    #: Orchestration figures (benchmarks/orchestrator.py): per-cell runner gaps, cell and load times.
-    stats: dict[str, Any] = field(default_factory=dict)
+#: The progress line is refreshed at most this often (no terminal redraws faster; the ETA costs estimates).
+SHOW_EVERY_S = 0.2
 
 
 class SweepDriver:
@@ -121,6 +64,7 @@ class SweepDriver:
         self.todo = 0
         #: The engine's traits as preflight found them on a box (the driver never imports the engine).
         self.traits: EngineTraits | None = None
+        self._shown_at = 0.0
 
     def _event(self, message: str) -> None:
         self.progress.event(message)
@@ -177,7 +121,8 @@ class SweepDriver:
     # -- which runner does what -----------------------------------------------------------------------------
     def _fill(self) -> None:
         for slot in self.pool.slots:
-            if slot.usable and slot.state is not SlotState.LOADING:
+            full = slot.state is SlotState.BUSY and len(slot.calls) >= self.opts.queue_depth
+            if slot.usable and slot.state is not SlotState.LOADING and not full:
                 self._fill_slot(slot)
 
     def _fill_slot(self, slot: Slot) -> None:
@@ -273,10 +218,12 @@ class SweepDriver:
                 time.sleep(self.opts.poll_s)
                 continue
             ready = self.pool.wait(self._wait_timeout())
+            noticed = time.perf_counter()
             for ev in self.pool.events(ready):
                 self._handle(ev)
             if ready:
                 self._fill()  # a runner may be waiting for its next cell: dispatch before the bookkeeping
+                self.sink.figures.react_s.append(time.perf_counter() - noticed)
             self._check_deadlines()
             self.sink.check_adds()
             self._show()
@@ -289,6 +236,10 @@ class SweepDriver:
         return (self.scheduler.total_pending_work() + running / 2) / active
 
     def _show(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._shown_at < SHOW_EVERY_S:
+            return
+        self._shown_at = now
         running = Counter(s.box.label for s in self.pool.slots if s.calls)
         self.progress.update(
             done=len(self.cells) - self.todo + self.sink.finished,

@@ -77,6 +77,7 @@ class Estimator:
         self._cells_seen = 0
         self._seconds_seen = 0.0
         self._loads: dict[LoadKey, list[float]] = defaultdict(list)
+        self._estimates: dict[GroupKey, float] = {}
 
     @staticmethod
     def _coords(cell: Cell) -> tuple:
@@ -95,6 +96,14 @@ class Estimator:
         return self._slope
 
     def estimate(self, cell: Cell) -> float:
+        """Seconds (relative units before any measurement); cached per group until the next observation."""
+        key = self.group(cell)
+        cached = self._estimates.get(key)
+        if cached is None:
+            cached = self._estimates[key] = self._estimate(cell)
+        return cached
+
+    def _estimate(self, cell: Cell) -> float:
         same = self._by_coords.get(self._coords(cell))
         if same:
             return same[1] / same[0]
@@ -103,6 +112,7 @@ class Estimator:
         return self._base(cell) * math.exp(intercept + self._slope * math.log(cell.concurrency))
 
     def observe(self, cell: Cell, seconds: float) -> None:
+        self._estimates.clear()
         same = self._by_coords.setdefault(self._coords(cell), [0, 0.0])
         same[0] += 1
         same[1] += seconds

@@ -45,6 +45,8 @@ class Figures:
     gap_queued: list[bool] = field(default_factory=list)
     cell_seconds: list[float] = field(default_factory=list)
     load_seconds: list[float] = field(default_factory=list)
+    #: Driver-side: from ray.wait returning finished calls to the next cells submitted (rows forwarded too).
+    react_s: list[float] = field(default_factory=list)
 
 
 class Sink:

@@ -24,8 +24,8 @@ from pd_dflash.rows import read_rows  # noqa: E402
 from pd_dflash.schema import Status, parse_row  # noqa: E402
 from pd_dflash.spec import expand  # noqa: E402
 from pd_dflash.sweep.cluster import run_sweep  # noqa: E402
-from pd_dflash.sweep.driver import RunOptions  # noqa: E402
 from pd_dflash.sweep.manifest import env_summary  # noqa: E402
+from pd_dflash.sweep.options import RunOptions  # noqa: E402
 from pd_dflash.sweep.resume import Mode, current_rows  # noqa: E402
 from tests.sweep.helpers import (  # noqa: E402
     FAULT,
