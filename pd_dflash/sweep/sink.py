@@ -82,6 +82,8 @@ class Sink:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, InputError):
                 raise InputError(str(cause)) from None
+            if isinstance(cause, (StorageError, OSError)):  # e.g. no space left for sweep.json
+                raise preflight.PreflightError(f"cannot prepare the results directory: {cause}") from None
             raise
         except GetTimeoutError:
             ray.kill(self.collector)

@@ -332,6 +332,16 @@ def test_a_full_disk_stops_the_sweep_and_resume_repairs_what_it_left(cluster, tm
             assert "repaired a torn last line" in said and (out / "rows.jsonl.torn").exists()
 
 
+def test_a_results_directory_too_full_to_open_is_refused_before_any_cell_runs(cluster, tmp_path):
+    with small_filesystem(tmp_path / "disk", "8k") as disk:  # room for the probe and the lock, not sweep.json
+        before = actors_by_class()["RunnerActor"] + actors_by_class()["Runner"]
+        with pytest.raises(InputError, match="No space left on device") as err:
+            run_sweep(make_spec(), options(disk / "out"))
+        assert "cannot prepare the results directory" in str(err.value)
+        assert actors_by_class()["RunnerActor"] + actors_by_class()["Runner"] == before
+        assert not (disk / "out" / "rows.jsonl").exists()
+
+
 def test_unwritable_results_directory_exits_before_any_actor_starts(cluster, tmp_path):
     (tmp_path / "file").write_text("not a directory")
     before = actors_by_class()
