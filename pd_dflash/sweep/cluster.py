@@ -117,8 +117,7 @@ def run_sweep(spec: SweepSpec, options: RunOptions, *, address: str | None = Non
             with stop_on_signals():  # after ray.init, which installs a SIGTERM handler of its own
                 try:
                     return SweepDriver(spec, options, local=local).run()
-                except SweepInterrupted as stop:  # before the driver had anything to write
-                    print(f"pd-dflash run: stopped by {stop.name} before any cell ran", file=sys.stderr)
+                except SweepInterrupted as stop:  # outside the driver's loop: nothing (more) to write
                     return _stopped_early(options, stop, time.monotonic() - started)
         finally:
             if owns_ray:
