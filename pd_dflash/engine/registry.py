@@ -185,16 +185,25 @@ def plan_blocked_reason(engine: str) -> Callable[[Cell], str | None] | None:
     return lambda cell: blocked_reason(engine, cell)
 
 
-def blocked_reason(engine: str, cell: Cell, engine_traits: EngineTraits | None = None) -> str | None:
+def blocked_reason(engine: str, cell: Cell) -> str | None:
     """Why this engine will not run the cell at all (known before any runner starts), or None."""
-    t = engine_traits or traits(engine)
+    return blocked_reason_for(traits(engine), engine, cell)
+
+
+def blocked_reason_for(t: EngineTraits, engine: str, cell: Cell) -> str | None:
+    """``blocked_reason`` from traits already at hand (the sweep's driver gets a custom engine's from preflight)."""
     if cell.baseline not in t.supported_baselines:
         return t.unsupported_reason.get(cell.baseline, f"engine {engine} does not implement {cell.baseline}")
     return None
 
 
-def load_group(engine: str, cell: Cell, engine_traits: EngineTraits | None = None) -> str:
+def load_group(engine: str, cell: Cell) -> str:
     """Cells of one model with the same load group are served by one model load (model affinity)."""
-    if (engine_traits or traits(engine)).separate_resident_load and not cell.offloaded:
+    return load_group_for(traits(engine), cell)
+
+
+def load_group_for(t: EngineTraits, cell: Cell) -> str:
+    """``load_group`` from traits already at hand."""
+    if t.separate_resident_load and not cell.offloaded:
         return "resident"
     return "shared"
