@@ -36,6 +36,9 @@ class EngineTraits:
     unsupported_reason: dict[str, str] = field(default_factory=dict)
     #: How to get a missing ``requires`` module onto a box (for preflight's message), keyed by module.
     install_hints: dict[str, str] = field(default_factory=dict)
+    #: ``module:function`` (torch-free) giving the host bytes one runner needs for a model (``ModelSpec`` →
+    #: int or None when unknown); the sweep reserves them with Ray's ``memory`` resource.
+    host_memory: str | None = None
 
 
 BUILTIN: dict[str, EngineTraits] = {
@@ -44,6 +47,7 @@ BUILTIN: dict[str, EngineTraits] = {
         options_model="pd_dflash.engine.reference.options:ReferenceOptions",
         requires=("torch", "transformers"),
         supported_baselines=ALL_BASELINES,
+        host_memory="pd_dflash.engine.reference.host_memory:runner_host_memory_bytes",
     ),
     "moe_infinity": EngineTraits(
         entry_point="pd_dflash.engine.moe_infinity.engine:MoEInfinityEngine",
@@ -92,6 +96,12 @@ def validate_engine_options(engine: str, model: ModelSpec, *, where: str) -> Bas
         return options_cls.model_validate(model.engine_options)
     except ValidationError as exc:
         raise InputError(format_validation_error(exc, prefix=f"{where}.engine_options")) from None
+
+
+def host_memory_bytes(engine: str, model: ModelSpec) -> int | None:
+    """Host bytes one runner of ``engine`` needs for ``model`` (None: the engine does not say)."""
+    path = traits(engine).host_memory
+    return None if path is None else _import(path)(model)
 
 
 def blocked_reason(engine: str, cell: Cell) -> str | None:

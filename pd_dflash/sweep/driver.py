@@ -268,7 +268,8 @@ class SweepDriver:
         return held
 
     def _start_runner(self, slot: Slot, key: LoadKey) -> None:
-        options = preflight.runner_options(self.spec.hardware)
+        memory = registry.host_memory_bytes(self.spec.engine, self.spec.model(key[0]))
+        options = preflight.runner_options(self.spec.hardware, memory)
         slot.actor = RunnerActor.options(
             **options,
             scheduling_strategy=NodeAffinitySchedulingStrategy(slot.box.node_id, soft=False),

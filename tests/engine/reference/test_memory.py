@@ -111,3 +111,22 @@ def test_a_cell_whose_cache_and_kv_do_not_fit_the_device_is_refused_with_the_fig
     # B0's cache (25 % of the experts: 4 slots) fits in the same figure.
     assert engine.run_cell(b0).status == Status.OK
     engine.close()
+
+
+def test_a_runner_needs_its_checkpoint_files_in_host_memory(tmp_path):
+    from pd_dflash.engine.reference.host_memory import runner_host_memory_bytes
+    from pd_dflash.spec import ModelSpec
+    from tests.engine.reference.conftest import tiny_model
+
+    ckpt = tmp_path / "ckpt"
+    tiny_model("qwen3_moe").save_pretrained(str(ckpt))  # fp32 weights
+    files = sum(len(f.read_bytes()) for f in ckpt.glob("*.safetensors"))
+    assert runner_host_memory_bytes(ModelSpec(id=str(ckpt))) == files
+    assert runner_host_memory_bytes(ModelSpec(id=str(ckpt), engine_options={"dtype": "bf16"})) == files // 2
+    assert runner_host_memory_bytes(ModelSpec(id="micro", preset="micro")) is None  # a preset: a few MB
+    assert runner_host_memory_bytes(ModelSpec(id=str(tmp_path / "nowhere"))) is None  # not on this box
+    config = (ckpt / "config.json").read_text()
+    (ckpt / "config.json").write_text(
+        config.replace("{", '{"quantization_config": {"quant_method": "mxfp4"},', 1)
+    )
+    assert runner_host_memory_bytes(ModelSpec(id=str(ckpt))) is None  # loaded size is not the files' size
