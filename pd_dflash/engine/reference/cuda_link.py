@@ -65,7 +65,8 @@ class CudaLink:
             self._issue(t, self.demand_stream)
 
     def done(self, t: Transfer) -> bool:
-        self._pump()
+        if not t.issued:
+            self._pump()
         return self._landed(t)
 
     def wait(self, t: Transfer) -> float:
