@@ -23,7 +23,7 @@ from pd_dflash.engine.reference.link import PREFETCH_WINDOW, Transfer
 
 
 class CudaLink:
-    """Real host→device transfers on two CUDA copy streams from pinned host memory (see the policy above)."""
+    """Real host→device transfers on two CUDA copy streams from pinned host memory (the policy of ``link.py``)."""
 
     kind = "real"
 
