@@ -29,6 +29,7 @@ from pd_dflash.engine import nvml
 from pd_dflash.engine.interface import Engine, EngineContext, Refused
 from pd_dflash.engine.probe import measure_h2d_bytes_per_second
 from pd_dflash.engine.reference.admission import scheduler_for
+from pd_dflash.engine.reference.capacity import expert_cache_capacity
 from pd_dflash.engine.reference.cuda_link import CudaLink
 from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Request, TargetModel
 from pd_dflash.engine.reference.dflash.published import load_published_drafter, published_decoding
@@ -293,47 +294,7 @@ class ReferenceEngine(Engine):
 
     # -- cell pieces ---------------------------------------------------------------------------------------------
     def cache_capacity(self, cell: Cell) -> int:
-        """The cell's expert-cache capacity in bytes. B3 holds every expert; an offloaded baseline must really
-        offload (as upstream), so a capacity that holds every expert, or less than one, is ``Refused``."""
-        total = self.store.total_bytes
-        if not cell.offloaded:
-            return total
-        opts, frac = self.options, self.ctx.memory.expert_cache_fraction
-        if opts.expert_cache_bytes is not None:
-            capacity, given = (
-                opts.expert_cache_bytes,
-                f"engine_options.expert_cache_bytes={opts.expert_cache_bytes}",
-            )
-        elif frac is not None:
-            capacity, given = int(frac * total), f"memory.expert_cache_fraction={frac}"
-        else:
-            raise Refused(
-                Status.REFUSED,
-                f"{cell.baseline} must be offloaded, but no expert-cache capacity is set, so the cache would hold "
-                f"every expert ({total} B). Fix: set memory.expert_cache_fraction below 1 (e.g. 0.25) or "
-                "models[].engine_options.expert_cache_bytes",
-            )
-        slots, entries = capacity // self.store.expert_nbytes, self.store.num_entries
-        if slots >= entries:
-            raise Refused(
-                Status.REFUSED,
-                f"{cell.baseline} must be offloaded, but {given} gives a cache of {capacity} B that holds all "
-                f"{entries} experts ({total} B): nothing would be offloaded. Fix: lower it so the cache holds fewer "
-                f"than {entries} experts (< {total} B)",
-            )
-        if slots < 1:
-            raise Refused(
-                Status.REFUSED,
-                f"{given} gives a cache of {capacity} B, smaller than one expert ({self.store.expert_nbytes} B). "
-                "Fix: raise it to at least one expert",
-            )
-        if cell.baseline == "OURS" and slots < 2:
-            raise Refused(
-                Status.REFUSED,
-                f"{given} gives a cache of one expert slot: route-ahead pins prefetched experts until their layer "
-                "runs and needs at least 2 slots. Fix: raise the capacity",
-            )
-        return capacity
+        return expert_cache_capacity(cell, self.store, self.options, self.ctx.memory)
 
     def _load_decoding(self, cell: Cell):
         """``_decoding``, and the seconds it took when this cell trained or loaded the DFlash drafter."""
