@@ -78,6 +78,11 @@ class ModelSpec(_Input):
             return self
         return self.model_copy(update={"engine_options": {**self.engine_options, "emulated_h2d_gbps": gbps}})
 
+    def variants(self) -> list[ModelSpec]:
+        """This model once per value of its link-rate ablation (each must be a valid engine option), else itself."""
+        link = self.link_axis()
+        return [self.with_link(v) for v in link] if link else [self]
+
     def single_valued(self) -> ModelSpec:
         """This model as an engine loads it: a link-rate list replaced by its first value (each cell then sets
         its own, ``Cell.ablation``)."""

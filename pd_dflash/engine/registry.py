@@ -168,7 +168,7 @@ def check(spec: SweepSpec, *, where: str | None = None) -> SweepSpec:
                 where=f"models.{i}.engine_options.emulated_h2d_gbps",
             )
         # A link-rate list is an ablation axis (ablation.ABLATION_AXES): every rate must be a valid option.
-        for variant in [model.with_link(v) for v in link] if isinstance(link, list) else [model]:
+        for variant in model.variants():
             validate_engine_options(spec.engine, variant, where=f"models.{i}", engine_traits=known)
             if known.check_model is not None:
                 known.check_model(variant, f"models.{i}")
