@@ -111,7 +111,7 @@ def render_plan(spec: SweepSpec, planned: dict[str, Any], notes: Iterable[str] =
         lines.append(f"  {model:<{width}}  {parts}  (total {sum(by_b.values())})")
     if counts["saved_by_block_dedup"]:
         lines.append(
-            f"B0/B3 measured once per (model, c, repeat) and shown in every block-size group: "
+            f"B0 measured once per (model, c, repeat) and shown in every block-size group: "
             f"{counts['saved_by_block_dedup']} cells saved"
         )
     if planned["blocked"]:

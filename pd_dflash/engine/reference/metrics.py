@@ -256,7 +256,7 @@ def engine_facts(m: CellMeasurement, committed: list[int], overlap: dict[str, An
     return {
         **m.engine,
         **extra,
-        # Same prompts, same tokens: offloading must not change outputs (B0 and B3 rows carry equal digests).
+        # Same prompts, same tokens: offloading must not change outputs (equal digests at equal output lengths).
         "output_digest": hashlib.sha256(json.dumps([r.output for r in m.requests]).encode()).hexdigest()[:16],
         "batch": batch_facts(m.rounds),
         "expert_cache": expert_cache_facts(rt, m.elapsed, sum(r.timing.tokens for r in m.requests)),
