@@ -11,8 +11,8 @@ step's batched forward; the others keep their block (no redraft) and wait.
   batch's union of predicted, non-resident experts: the fetch the verify will really issue;
 - arrival: the step at which the block became pending, so a deferred round keeps its place (FIFO, no
   starvation: the liveness argument of scheduling.py);
-- in flight: a round whose prefetch is already on the link (cross-round prefetch) — seated unconditionally.
-  The engine's verify finishes within its step, so without cross-round prefetch no round is in flight.
+- in flight: none. The engine's verify finishes within its step, so every round, of a running request or a new
+  one, is admitted through the budgets (route-ahead's history prefetch does not seat the next round).
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ class TargetModel:
 
     def synchronize(self) -> None:
         """Block the host until the compute stream has finished: never the whole device, so prefetches on the
-        link's copy streams keep running (e.g. cross-round prefetches overlap the next draft)."""
+        link's copy streams keep running (e.g. route-ahead's history prefetches overlap the next draft)."""
         if self.sync_hook is not None:
             self.sync_hook()
         elif self.device.type == "cuda":
