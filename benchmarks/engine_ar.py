@@ -35,15 +35,41 @@ def engine_for(spec, device="cpu"):
 
 
 def compare(args) -> dict:
-    from pd_dflash.schema import Row
-    from pd_dflash.spec import expand, parse_spec
+    """B0 and B3 of every (concurrency, repeat), interleaved; one row per pair and medians per concurrency."""
+    from pd_dflash.spec import expand
+
+    spec = bench_spec(args)
+    start = time.perf_counter()
+    engine = engine_for(spec)
+    load = time.perf_counter() - start
+    rows = run_interleaved(engine, expand(spec), args)
+    facts = engine.describe()
+    engine.close()
+    table = [pair_row(rows, c, rep) for c in args.concurrency for rep in range(args.repeats)]
+    return {
+        "summary_medians": [median_row(table, c) for c in args.concurrency],
+        "preset": args.preset,
+        "engine_load_seconds": load,
+        "expert_nbytes": facts["expert_nbytes"],
+        "total_expert_bytes": facts["total_expert_bytes"],
+        "cache_fraction": args.fraction,
+        "emulated_h2d_gbps": args.gbps,
+        "emulated_latency_us": args.latency_us,
+        "threads": args.threads,
+        "model_card": facts.get("model_card"),
+        "rows": table,
+    }
+
+
+def bench_spec(args):
+    from pd_dflash.spec import parse_spec
 
     options = {
         "emulated_h2d_gbps": args.gbps,
         "emulated_latency_us": args.latency_us,
         "eviction": args.eviction,
     }
-    spec = parse_spec(
+    return parse_spec(
         {
             "name": "engine-ar-bench",
             "models": [{"id": args.preset, "preset": args.preset, "engine_options": options}],
@@ -62,80 +88,63 @@ def compare(args) -> dict:
             "hardware": {"device": "cpu", "cpus_per_runner": args.threads},
         }
     )
-    start = time.perf_counter()
-    engine = engine_for(spec)
-    load = time.perf_counter() - start
-    rows = []
-    cells = {(c.baseline, c.concurrency, c.repeat): c for c in expand(spec)}
-    # Interleave B0 and B3 of the same (c, repeat): a shared machine's load drifts over minutes.
+
+
+def run_interleaved(engine, cells, args) -> dict[tuple[str, int, int], tuple]:
+    """{(baseline, c, repeat): (row, cell seconds)}. B0 and B3 of the same (c, repeat) run back to back: a
+    shared machine's load drifts over minutes."""
+    from pd_dflash.schema import Row
+
+    by_key = {(c.baseline, c.concurrency, c.repeat): c for c in cells}
+    rows = {}
     for rep in range(args.repeats):
         for conc in args.concurrency:
             for baseline in ("B0", "B3"):
-                cell = cells[(baseline, conc, rep)]
+                cell = by_key[(baseline, conc, rep)]
                 t0 = time.perf_counter()
                 row = Row.from_result(cell, engine.run_cell(cell))
-                rows.append((row, time.perf_counter() - t0))
-    facts = engine.describe()
-    engine.close()
-    table = []
-    for c in args.concurrency:
-        for rep in range(args.repeats):
-            b0 = next(r for r, _ in rows if r.baseline == "B0" and r.concurrency == c and r.repeat == rep)
-            b3 = next(r for r, _ in rows if r.baseline == "B3" and r.concurrency == c and r.repeat == rep)
-            ec = b0.engine["expert_cache"]
-            table.append(
-                {
-                    "concurrency": c,
-                    "repeat": rep,
-                    "b0_tokens_per_second": b0.output_tokens_per_second,
-                    "b3_tokens_per_second": b3.output_tokens_per_second,
-                    "b0_over_b3": b0.output_tokens_per_second / b3.output_tokens_per_second,
-                    "b0_hit_rate": b0.expert_cache_hit_rate,
-                    "b0_exposed_fetch_fraction": ec["exposed_fetch_fraction"],
-                    "b0_prefetch_coverage": b0.route_ahead_prefetch_coverage,
-                    "b3_observed_coverage": b3.route_ahead_prefetch_coverage,
-                    "b0_measured_h2d_gbps": (
-                        b0.cost_terms.measured_h2d_bytes_per_second / 1e9
-                        if b0.cost_terms and b0.cost_terms.measured_h2d_bytes_per_second
-                        else None
-                    ),
-                    "same_tokens": b0.engine["output_digest"] == b3.engine["output_digest"],
-                    "b0_cell_seconds": next(s for r, s in rows if r is b0),
-                    "b3_cell_seconds": next(s for r, s in rows if r is b3),
-                }
-            )
-    summary = []
-    for c in args.concurrency:
-        mine = [t for t in table if t["concurrency"] == c]
-        summary.append(
-            {
-                "concurrency": c,
-                **{
-                    k: statistics.median(t[k] for t in mine)
-                    for k in (
-                        "b0_tokens_per_second",
-                        "b3_tokens_per_second",
-                        "b0_over_b3",
-                        "b0_hit_rate",
-                        "b0_exposed_fetch_fraction",
-                        "b0_prefetch_coverage",
-                    )
-                },
-                "same_tokens": all(t["same_tokens"] for t in mine),
-            }
-        )
+                rows[(baseline, conc, rep)] = (row, time.perf_counter() - t0)
+    return rows
+
+
+def pair_row(rows: dict, c: int, rep: int) -> dict:
+    """B0 against B3 at one (c, repeat)."""
+    (b0, b0_seconds), (b3, b3_seconds) = rows[("B0", c, rep)], rows[("B3", c, rep)]
+    bandwidth = b0.cost_terms.measured_h2d_bytes_per_second if b0.cost_terms else None
     return {
-        "summary_medians": summary,
-        "preset": args.preset,
-        "engine_load_seconds": load,
-        "expert_nbytes": facts["expert_nbytes"],
-        "total_expert_bytes": facts["total_expert_bytes"],
-        "cache_fraction": args.fraction,
-        "emulated_h2d_gbps": args.gbps,
-        "emulated_latency_us": args.latency_us,
-        "threads": args.threads,
-        "model_card": facts.get("model_card"),
-        "rows": table,
+        "concurrency": c,
+        "repeat": rep,
+        "b0_tokens_per_second": b0.output_tokens_per_second,
+        "b3_tokens_per_second": b3.output_tokens_per_second,
+        "b0_over_b3": b0.output_tokens_per_second / b3.output_tokens_per_second,
+        "b0_hit_rate": b0.expert_cache_hit_rate,
+        "b0_exposed_fetch_fraction": b0.engine["expert_cache"]["exposed_fetch_fraction"],
+        "b0_prefetch_coverage": b0.route_ahead_prefetch_coverage,
+        "b3_observed_coverage": b3.route_ahead_prefetch_coverage,
+        "b0_measured_h2d_gbps": bandwidth / 1e9 if bandwidth else None,
+        "same_tokens": b0.engine["output_digest"] == b3.engine["output_digest"],
+        "b0_cell_seconds": b0_seconds,
+        "b3_cell_seconds": b3_seconds,
+    }
+
+
+MEDIAN_KEYS = (
+    "b0_tokens_per_second",
+    "b3_tokens_per_second",
+    "b0_over_b3",
+    "b0_hit_rate",
+    "b0_exposed_fetch_fraction",
+    "b0_prefetch_coverage",
+)
+
+
+def median_row(table: list[dict], c: int) -> dict:
+    """Medians over the repeats at concurrency ``c``."""
+    mine = [t for t in table if t["concurrency"] == c]
+    return {
+        "concurrency": c,
+        **{k: statistics.median(t[k] for t in mine) for k in MEDIAN_KEYS},
+        "same_tokens": all(t["same_tokens"] for t in mine),
     }
 
 
@@ -171,6 +180,7 @@ def measure_training(presets: list[str]) -> list[dict]:
 
 def time_spec_cell(path: str) -> dict:
     """Load the spec's first model (training it if not cached) and time its first cell of each runnable baseline."""
+    from pd_dflash.engine.interface import Refused
     from pd_dflash.engine.registry import blocked_reason
     from pd_dflash.spec import expand, load_spec
 
@@ -184,8 +194,11 @@ def time_spec_cell(path: str) -> dict:
         if cell.model != spec.models[0].id or blocked_reason(spec.engine, cell) or key in timed:
             continue
         t0 = time.perf_counter()
-        result = engine.run_cell(cell)
-        timed[key] = {"seconds": time.perf_counter() - t0, "status": result.status.value}
+        try:
+            status = engine.run_cell(cell).status
+        except Refused as refusal:  # as the runner records it
+            status = refusal.status
+        timed[key] = {"seconds": time.perf_counter() - t0, "status": status.value}
     engine.close()
     return {"spec": path, "engine_load_seconds": load, "cells": timed}
 

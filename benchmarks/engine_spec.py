@@ -23,6 +23,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -58,8 +60,35 @@ def summarize(row) -> dict:
 
 
 def compare(args) -> dict:
-    from pd_dflash.schema import Row
-    from pd_dflash.spec import expand, parse_spec
+    """Every configuration at every (B, c), repeats back to back; medians per (B, c) and the ordering check."""
+    from pd_dflash.spec import expand
+
+    spec = bench_spec(args)
+    start = time.perf_counter()
+    engine = engine_for(spec)
+    load = time.perf_counter() - start
+    results, drafter = run_cells(engine, expand(spec), args)
+    facts = engine.describe()
+    engine.close()
+    table = [group_row(results, b, conc) for b in args.block_sizes for conc in args.concurrency]
+    return {
+        "preset": args.preset,
+        "engine_load_seconds": load,
+        "expert_nbytes": facts["expert_nbytes"],
+        "total_expert_bytes": facts["total_expert_bytes"],
+        "cache_fraction": args.fraction,
+        "emulated_h2d_gbps": args.gbps,
+        "emulated_latency_us": args.latency_us,
+        "threads": args.threads,
+        "drafter": drafter,
+        "workload": spec.workload.model_dump(),
+        "repeats": args.repeats,
+        "table": table,
+    }
+
+
+def bench_spec(args):
+    from pd_dflash.spec import parse_spec
 
     options = {
         "emulated_h2d_gbps": args.gbps,
@@ -70,7 +99,7 @@ def compare(args) -> dict:
     for item in args.option:
         key, _, value = item.partition("=")
         options[key] = json.loads(value)
-    spec = parse_spec(
+    return parse_spec(
         {
             "name": "engine-spec-bench",
             "models": [{"id": args.preset, "preset": args.preset, "engine_options": options}],
@@ -90,75 +119,65 @@ def compare(args) -> dict:
             "hardware": {"device": "cpu", "cpus_per_runner": args.threads},
         }
     )
-    start = time.perf_counter()
-    engine = engine_for(spec)
-    load = time.perf_counter() - start
-    cells = {(c.baseline, c.block_size, c.concurrency, c.repeat): c for c in expand(spec)}
+
+
+def run_cells(engine, cells, args) -> tuple[dict[tuple, list[dict]], dict | None]:
+    """Summaries per (baseline, B, c), one per repeat, and the drafter's facts. B0/B3 are block-independent:
+    one cell per (c, repeat), shown in every B group."""
+    from pd_dflash.schema import Row
+
+    by_key = {(c.baseline, c.block_size, c.concurrency, c.repeat): c for c in cells}
+    smallest = min(args.block_sizes)
     results: dict[tuple, list[dict]] = {}
     drafter = None
     for rep in range(args.repeats):
         for b in args.block_sizes:
             for conc in args.concurrency:
                 for baseline in BASELINES:
-                    # B0/B3 are block-independent: one cell per (c, repeat), shown in every B group.
-                    key = (baseline, min(args.block_sizes) if baseline in ("B0", "B3") else b, conc, rep)
-                    if b != min(args.block_sizes) and baseline in ("B0", "B3"):
+                    if b != smallest and baseline in ("B0", "B3"):
                         results.setdefault((baseline, b, conc), []).append(
-                            results[(baseline, key[1], conc)][rep]
+                            results[(baseline, smallest, conc)][rep]
                         )
                         continue
+                    cell = by_key[(baseline, b, conc, rep)]
                     t0 = time.perf_counter()
-                    row = Row.from_result(cells[key], engine.run_cell(cells[key]))
-                    s = summarize(row)
-                    s["cell_seconds"] = time.perf_counter() - t0
+                    row = Row.from_result(cell, engine.run_cell(cell))
+                    summary = {**summarize(row), "cell_seconds": time.perf_counter() - t0}
                     drafter = drafter or row.engine.get("drafter")
-                    results.setdefault((baseline, b, conc), []).append(s)
-    facts = engine.describe()
-    engine.close()
-    table = []
-    for b in args.block_sizes:
-        for conc in args.concurrency:
-            med = {
-                baseline: {
-                    k: statistics.median(r[k] for r in results[(baseline, b, conc)])
-                    if all(
-                        isinstance(r[k], (int, float)) and not isinstance(r[k], bool)
-                        for r in results[(baseline, b, conc)]
-                    )
-                    else results[(baseline, b, conc)][0][k]
-                    for k in results[(baseline, b, conc)][0]
-                }
-                for baseline in BASELINES
-            }
-            tps = {baseline: med[baseline]["tokens_per_second"] for baseline in BASELINES}
-            table.append(
-                {
-                    "block_size": b,
-                    "concurrency": conc,
-                    "configurations": med,
-                    "over_b0": {k: v / tps["B0"] for k, v in tps.items()},
-                    "ordering_b0_lt_b1_lt_ours_le_b3": tps["B0"] < tps["B1"] < tps["OURS"] <= tps["B3"],
-                    "ordering_parts": {
-                        "B0<B1": tps["B0"] < tps["B1"],
-                        "B1<OURS": tps["B1"] < tps["OURS"],
-                        "OURS<=B3": tps["OURS"] <= tps["B3"],
-                    },
-                    "same_tokens": len({med[x]["digest"] for x in BASELINES}) == 1,
-                }
-            )
+                    results.setdefault((baseline, b, conc), []).append(summary)
+    return results, drafter
+
+
+def median_summary(summaries: list[dict]) -> dict:
+    """Per field: the median over repeats when every value is a number, else the first repeat's value."""
+
+    def numeric(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
     return {
-        "preset": args.preset,
-        "engine_load_seconds": load,
-        "expert_nbytes": facts["expert_nbytes"],
-        "total_expert_bytes": facts["total_expert_bytes"],
-        "cache_fraction": args.fraction,
-        "emulated_h2d_gbps": args.gbps,
-        "emulated_latency_us": args.latency_us,
-        "threads": args.threads,
-        "drafter": drafter,
-        "workload": spec.workload.model_dump(),
-        "repeats": args.repeats,
-        "table": table,
+        k: statistics.median(r[k] for r in summaries)
+        if all(numeric(r[k]) for r in summaries)
+        else summaries[0][k]
+        for k in summaries[0]
+    }
+
+
+def group_row(results: dict[tuple, list[dict]], b: int, conc: int) -> dict:
+    """One (B, c) group: every configuration's medians, tokens/s over B0 and the design's ordering."""
+    med = {baseline: median_summary(results[(baseline, b, conc)]) for baseline in BASELINES}
+    tps = {baseline: med[baseline]["tokens_per_second"] for baseline in BASELINES}
+    return {
+        "block_size": b,
+        "concurrency": conc,
+        "configurations": med,
+        "over_b0": {k: v / tps["B0"] for k, v in tps.items()},
+        "ordering_b0_lt_b1_lt_ours_le_b3": tps["B0"] < tps["B1"] < tps["OURS"] <= tps["B3"],
+        "ordering_parts": {
+            "B0<B1": tps["B0"] < tps["B1"],
+            "B1<OURS": tps["B1"] < tps["OURS"],
+            "OURS<=B3": tps["OURS"] <= tps["B3"],
+        },
+        "same_tokens": len({med[x]["digest"] for x in BASELINES}) == 1,
     }
 
 
@@ -191,7 +210,6 @@ def measure_proxy(preset_name: str, block_size: int, prompts: int) -> dict:
     """Recall of candidate route-ahead proxies against the verify's routing (greedy drafts after greedy rollouts)."""
     import torch
 
-    from pd_dflash.engine.reference.block_drafter import gather_features
     from pd_dflash.engine.reference.families import family_of
     from pd_dflash.engine.reference.presets.catalog import get_preset
     from pd_dflash.engine.reference.presets.drafter_training import target_rollouts
@@ -203,64 +221,89 @@ def measure_proxy(preset_name: str, block_size: int, prompts: int) -> dict:
     model, _ = load_preset(preset)
     drafter, card = load_drafter(preset, model)
     family = family_of(model.config)
-    cfg = drafter.config
     seqs = target_rollouts(model, torch.from_numpy(preset.language.sample(prompts, 24, seed=[5, 5])), 24)
     moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, family.router_attr)]
-    routed, resid = {}, {}
+    counts: dict[tuple[str, int], list[int]] = {}
+    with routing_probe(model, family, moe) as seen, torch.no_grad():
+        for anchor_pos in (26, 32, 38):
+            step = proxy_counts(model, drafter, family, moe, seqs[:, :anchor_pos], block_size, seen)
+            for key, c in step.items():
+                counts[key] = [a + b for a, b in zip(counts.get(key, [0, 0, 0]), c, strict=True)]
+    out = {"preset": preset_name, "block_size": block_size, "drafter_tau": card["tau"], "moe_layers": moe}
+    return {**out, "proxies": proxy_recall(counts, moe)}
+
+
+@contextmanager
+def routing_probe(model, family, moe: list[int]) -> Iterator[dict]:
+    """Records, at every forward, each MoE layer's routed expert ids (``routed``) and the first MoE layer's
+    residual stream before its post-attention norm (``first``)."""
+    seen: dict = {"routed": {}, "first": None}
     hooks = [
         getattr(model.model.layers[i].mlp, family.router_attr).register_forward_hook(
-            lambda _m, _i, out, i=i: routed.__setitem__(i, out[2])
+            lambda _m, _i, out, i=i: seen["routed"].__setitem__(i, out[2])
         )
         for i in moe
     ]
     hooks.append(
         model.model.layers[moe[0]].post_attention_layernorm.register_forward_pre_hook(
-            lambda _m, args: resid.__setitem__("first", args[0])
+            lambda _m, args: seen.__setitem__("first", args[0])
         )
     )
-    counts: dict[tuple[str, int], list[int]] = {}
     try:
-        with torch.no_grad():
-            for anchor_pos in (26, 32, 38):
-                ids = seqs[:, :anchor_pos]
-                out = model(ids, output_hidden_states=True)
-                ctx = gather_features(out.hidden_states, cfg.target_layer_ids)[:, -cfg.context_len :]
-                anchor = out.logits[:, -1].argmax(-1)
-                hidden = drafter.hidden_states(anchor, ctx, block_size)
-                block = torch.cat([anchor[:, None], drafter.logits(hidden[:, 1:]).argmax(-1)], 1)
-                model(torch.cat([ids, block], 1))
-                candidates = {
-                    "drafter hidden": hidden,
-                    "token embedding": model.model.embed_tokens(block),
-                    "drafter hidden + embedding": hidden + model.model.embed_tokens(block),
-                    "first-layer residual (exact attention)": resid["first"][:, -block_size:],
-                }
-                for layer in moe:
-                    actual = routed[layer].view(ids.shape[0], -1, routed[layer].shape[-1])[:, -block_size:]
-                    norm = model.model.layers[layer].post_attention_layernorm
-                    router = getattr(model.model.layers[layer].mlp, family.router_attr)
-                    for name, x in candidates.items():
-                        pred = router(norm(x).reshape(-1, x.shape[-1]))[2].view(ids.shape[0], block_size, -1)
-                        for s in range(ids.shape[0]):
-                            a, p = set(actual[s].flatten().tolist()), set(pred[s].flatten().tolist())
-                            c = counts.setdefault((name, layer), [0, 0, 0])
-                            c[0], c[1], c[2] = c[0] + len(p & a), c[1] + len(a), c[2] + len(p)
+        yield seen
     finally:
         for h in hooks:
             h.remove()
-    out = {
-        "preset": preset_name,
-        "block_size": block_size,
-        "drafter_tau": card["tau"],
-        "moe_layers": moe,
-        "proxies": {},
+
+
+def proxy_counts(
+    model, drafter, family, moe, ids, block_size: int, seen: dict
+) -> dict[tuple[str, int], list]:
+    """[Σ|P∩A|, Σ|A|, Σ|P|] per (candidate proxy, MoE layer) for the greedy block drafted after each prefix of
+    ``ids`` [n, t], A being what the verify of that block routed."""
+    import torch
+
+    from pd_dflash.engine.reference.block_drafter import gather_features
+
+    cfg = drafter.config
+    out = model(ids, output_hidden_states=True)
+    ctx = gather_features(out.hidden_states, cfg.target_layer_ids)[:, -cfg.context_len :]
+    anchor = out.logits[:, -1].argmax(-1)
+    hidden = drafter.hidden_states(anchor, ctx, block_size)
+    block = torch.cat([anchor[:, None], drafter.logits(hidden[:, 1:]).argmax(-1)], 1)
+    model(torch.cat([ids, block], 1))  # the verify: ``seen`` now holds what it routed
+    embedded = model.model.embed_tokens(block)
+    candidates = {
+        "drafter hidden": hidden,
+        "token embedding": embedded,
+        "drafter hidden + embedding": hidden + embedded,
+        "first-layer residual (exact attention)": seen["first"][:, -block_size:],
     }
+    n, counts = ids.shape[0], {}
+    for layer in moe:
+        routed = seen["routed"][layer]
+        actual = routed.view(n, -1, routed.shape[-1])[:, -block_size:]
+        norm = model.model.layers[layer].post_attention_layernorm
+        router = getattr(model.model.layers[layer].mlp, family.router_attr)
+        for name, x in candidates.items():
+            pred = router(norm(x).reshape(-1, x.shape[-1]))[2].view(n, block_size, -1)
+            c = [0, 0, 0]
+            for s in range(n):
+                a, p = set(actual[s].flatten().tolist()), set(pred[s].flatten().tolist())
+                c = [c[0] + len(p & a), c[1] + len(a), c[2] + len(p)]
+            counts[(name, layer)] = c
+    return counts
+
+
+def proxy_recall(counts: dict[tuple[str, int], list[int]], moe: list[int]) -> dict[str, dict]:
+    """Recall (overall and per layer) and |P|/|A| per candidate proxy."""
+    out = {}
     for name in dict.fromkeys(n for n, _ in counts):
-        per = {layer: counts[(name, layer)] for layer in moe}
-        out["proxies"][name] = {
-            "recall": sum(c[0] for c in per.values()) / sum(c[1] for c in per.values()),
-            "recall_per_layer": [round(c[0] / c[1], 3) for c in per.values()],
-            "predicted_over_actual": sum(c[2] for c in per.values()) / sum(c[1] for c in per.values()),
+        per = [counts[(name, layer)] for layer in moe]
+        out[name] = {
+            "recall": sum(c[0] for c in per) / sum(c[1] for c in per),
+            "recall_per_layer": [round(c[0] / c[1], 3) for c in per],
+            "predicted_over_actual": sum(c[2] for c in per) / sum(c[1] for c in per),
         }
     return out
 

@@ -17,7 +17,6 @@ the script's plumbing. Usage: ``python benchmarks/gpu_check.py --output summary.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -110,19 +109,43 @@ def step_probe() -> dict[str, Any]:
     return {"ok": result.get("h2d", {}).get("bytes_per_second", 0) > 0, **result}
 
 
-def _digest(outputs: list[list[int]]) -> str:
-    return hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16]
-
-
 def step_reference(device: str, preset: str) -> dict[str, Any]:
     """B0 vs B3 through ReferenceEngine's public interface; run in its own interpreter."""
-    from pd_dflash.engine import nvml
     from pd_dflash.engine.interface import EngineContext
     from pd_dflash.engine.reference.engine import ReferenceEngine
-    from pd_dflash.spec import expand, parse_spec
+    from pd_dflash.spec import expand
+
+    spec = _reference_spec(device, preset)
+    ctx = EngineContext.for_model(spec, device="cuda:0" if device == "cuda" else "cpu")
+    start = time.perf_counter()
+    engine = ReferenceEngine(ctx)
+    load_seconds = time.perf_counter() - start
+    cells = [_run_reference_cell(engine, cell) for cell in expand(spec)]
+    probe = engine.describe().get("h2d_probe_bytes_per_second")
+    checks = _reference_checks(cells, probe)
+    ok = all(v is not False for k, v in checks.items() if k.startswith("offloaded_equals"))
+    ok = ok and all(e["status"] in ("OK", "PARTIAL") for e in cells)
+    if device == "cuda":
+        ratios = checks["transfer_rate_over_probe"]
+        ok = ok and bool(ratios) and all(0 < r <= MAX_TRANSFER_OVER_PROBE for r in ratios)
+        ok = ok and all(v is True for k, v in checks.items() if k.startswith("offloaded_equals"))
+    return {
+        "ok": ok,
+        "device": device,
+        "preset": preset,
+        "load_seconds": load_seconds,
+        "probe_bytes_per_second": probe,
+        "checks": checks,
+        "cells": cells,
+    }
+
+
+def _reference_spec(device: str, preset: str):
+    from pd_dflash.engine import nvml
+    from pd_dflash.spec import parse_spec
 
     identity = nvml.device_identity(0) if device == "cuda" else None
-    spec = parse_spec(
+    return parse_spec(
         {
             "name": "gpu-check",
             "engine": "reference",
@@ -141,68 +164,47 @@ def step_reference(device: str, preset: str) -> dict[str, Any]:
             },
         }
     )
-    ctx = EngineContext.for_model(spec, device="cuda:0" if device == "cuda" else "cpu")
-    start = time.perf_counter()
-    engine = ReferenceEngine(ctx)
-    load_seconds = time.perf_counter() - start
-    captured: dict[str, list[Any]] = {}
-    # ReferenceEngine exposes no generated tokens; until it does (e.g. an output digest in its engine facts),
-    # keep the timed Request objects its own request factory builds (they are filled in place).
-    make_requests = getattr(engine, "_requests", None)
-    if callable(make_requests):
 
-        def capture(cell, n, **kwargs):
-            requests = make_requests(cell, n, **kwargs)
-            if kwargs.get("tag") != "warmup":
-                captured[cell.cell_id] = requests
-            return requests
 
-        engine._requests = capture
-    cells, digests = [], {}
-    for cell in expand(spec):
+def _run_reference_cell(engine, cell) -> dict[str, Any]:
+    """One cell's summary; a refusal is recorded as the sweep's runner records it (its status and reason)."""
+    from pd_dflash.engine.interface import Refused
+    from pd_dflash.schema import EngineResult
+
+    try:
         result = engine.run_cell(cell)
-        entry: dict[str, Any] = {
-            "baseline": cell.baseline,
-            "concurrency": cell.concurrency,
-            "status": result.status.value,
-            "reason": result.reason,
-            "output_tokens_per_second": result.output_tokens_per_second,
-            "expert_cache_hit_rate": result.expert_cache_hit_rate,
-            "warnings": result.warnings,
-        }
-        if result.cost_terms is not None:
-            entry["cost_terms"] = result.cost_terms.model_dump(exclude_none=True)
-        digest = result.engine.get("output_digest")
-        if digest is None and cell.cell_id in captured:
-            digest = _digest([list(r.output) for r in captured[cell.cell_id]])
-        entry["output_digest"] = digest
-        digests[(cell.baseline, cell.concurrency)] = digest
-        cells.append(entry)
+    except Refused as refusal:
+        result = EngineResult(status=refusal.status, reason=refusal.reason)
+    entry: dict[str, Any] = {
+        "baseline": cell.baseline,
+        "concurrency": cell.concurrency,
+        "status": result.status.value,
+        "reason": result.reason,
+        "output_tokens_per_second": result.output_tokens_per_second,
+        "expert_cache_hit_rate": result.expert_cache_hit_rate,
+        "warnings": result.warnings,
+    }
+    if result.cost_terms is not None:
+        entry["cost_terms"] = result.cost_terms.model_dump(exclude_none=True)
+    # The sha256 prefix of the timed requests' generated tokens (the engine's ``output_digest`` fact).
+    entry["output_digest"] = result.engine.get("output_digest")
+    return entry
+
+
+def _reference_checks(cells: list[dict[str, Any]], probe: float | None) -> dict[str, Any]:
+    """Offloaded (B0) and resident (B3) generate the same tokens at each c; B0's transfer rate over the probe."""
+    digests = {(e["baseline"], e["concurrency"]): e["output_digest"] for e in cells}
     checks: dict[str, Any] = {}
     for c in (1, 4):
         b0, b3 = digests.get(("B0", c)), digests.get(("B3", c))
         checks[f"offloaded_equals_resident_c{c}"] = None if b0 is None or b3 is None else b0 == b3
-    probe = engine.describe().get("h2d_probe_bytes_per_second")
     ratios = []
     for entry in cells:
         terms = entry.get("cost_terms", {})
         if entry["baseline"] == "B0" and terms.get("h2d_seconds") and probe:
             ratios.append(terms["h2d_bytes"] / terms["h2d_seconds"] / probe)
     checks["transfer_rate_over_probe"] = ratios or None
-    ok = all(v is not False for k, v in checks.items() if k.startswith("offloaded_equals"))
-    ok = ok and all(e["status"] in ("OK", "PARTIAL") for e in cells)
-    if device == "cuda":
-        ok = ok and bool(ratios) and all(0 < r <= MAX_TRANSFER_OVER_PROBE for r in ratios)
-        ok = ok and all(v is True for k, v in checks.items() if k.startswith("offloaded_equals"))
-    return {
-        "ok": ok,
-        "device": device,
-        "preset": preset,
-        "load_seconds": load_seconds,
-        "probe_bytes_per_second": probe,
-        "checks": checks,
-        "cells": cells,
-    }
+    return checks
 
 
 def step_gpu_tests(timeout: float) -> dict[str, Any]:

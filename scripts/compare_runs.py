@@ -93,7 +93,9 @@ def main(argv=None) -> int:
     a, b = load(args.before), load(args.after)
     problems = []
     if set(a) != set(b):
-        problems.append(f"cells differ: only before {sorted(set(a) - set(b))}, only after {sorted(set(b) - set(a))}")
+        problems.append(
+            f"cells differ: only before {sorted(set(a) - set(b))}, only after {sorted(set(b) - set(a))}"
+        )
     compared = 0
     for key in sorted(set(a) & set(b), key=str):
         fa, fb = flatten(a[key]), flatten(b[key])

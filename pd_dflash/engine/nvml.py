@@ -1,7 +1,7 @@
 """Device identity, telemetry and hardware validation through NVML (package ``nvidia-ml-py``, module ``pynvml``).
 
 Without a driver (CPU machines, fake Ray GPUs) every function degrades to ``None`` / a recorded note: NVML raises
-``NVMLError_LibraryNotFound`` there, a subclass of ``NVMLError`` (engine-anchors.md §4). No torch here.
+``NVMLError_LibraryNotFound`` there, a subclass of ``NVMLError``. No torch here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """NVTX push/pop ranges with upstream's names (nsys 2025.1.3 drops start/end ranges; push/pop survive).
 
-The ``nvtx`` package is a silent no-op without a GPU or a collector (engine-anchors.md §4), unlike
+The ``nvtx`` package is a silent no-op without a GPU or a collector, unlike
 ``torch.cuda.nvtx`` which raises on the CPU wheel. Only the five upstream names are accepted.
 """
 

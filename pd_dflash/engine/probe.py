@@ -1,6 +1,6 @@
 """`pd-dflash probe`: device identity through NVML and a measured host→device bandwidth.
 
-On CUDA the bandwidth is upstream's probe (research/upstream-phase-a.md §4): a pinned 256 MiB host buffer, one
+On CUDA the bandwidth is measured as upstream's probe measures it: a pinned 256 MiB host buffer, one
 warm-up copy, then 20 non-blocking copies timed between synchronizations; bytes / elapsed. Without a GPU it says
 so and measures a host memcpy bandwidth instead (the reference engine's CPU path copies host to host).
 """

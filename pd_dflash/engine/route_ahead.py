@@ -1,8 +1,8 @@
 """Route-ahead statistics: how well a prefetcher's predicted experts match what a verify pass really routed.
 
-Upstream semantics (``moe_infinity/spec_decode/_route_ahead_stats.py``, research/upstream-phase-a.md §3): a
-read-only observer with a per-verify-step lifecycle ``begin_step`` → ``observe_layer`` (one call per MoE layer)
-→ ``commit_step(kept_rows)``. Per observed layer, at commit:
+Upstream semantics (MoE-Infinity's ``moe_infinity/spec_decode/_route_ahead_stats.py``; docs/reference-engine.md,
+"Route-ahead statistics"): a read-only observer with a per-verify-step lifecycle ``begin_step`` →
+``observe_layer`` (one call per MoE layer) → ``commit_step(kept_rows)``. Per observed layer, at commit:
 
 - A      = union of the experts routed by any token row of the verify block (the "actual" set);
 - U_keep = union over the kept rows only (anchor + accepted drafts: the rows whose work survives);
@@ -87,21 +87,34 @@ def routed_rows(routed: Any, kind: RoutedKind = "auto") -> tuple[frozenset[int],
     """
     if kind not in ("auto", "mask", "ids"):
         raise ValueError(f"routed kind must be 'auto', 'mask' or 'ids', got {kind!r}")
+    if _dtype_kind(routed) is not None:  # tensor / array
+        routed, kind = _tensor_rows(routed, kind)
+    rows = _python_rows(routed)
+    if kind == "auto":
+        kind = _kind_of_entries(rows)
+    return _mask_rows(rows) if kind == "mask" else _id_rows(rows)
+
+
+def _tensor_rows(routed: Any, kind: RoutedKind) -> tuple[list, RoutedKind]:
+    """A 2-D tensor or array as nested lists, and its kind (auto: decided by its dtype)."""
     dtype_kind = _dtype_kind(routed)
-    if dtype_kind is not None:  # tensor / array
-        ndim = _ndim(routed)
-        if kind == "auto":
-            if dtype_kind == "float":
-                raise ValueError(
-                    "routed is a float tensor: pass kind='mask' for a [tokens, experts] mask or kind='ids'"
-                )
-            kind = "mask" if dtype_kind == "bool" else "ids"
-        if ndim != 2:
-            what = "router mask" if kind == "mask" else "routed expert ids"
+    if kind == "auto":
+        if dtype_kind == "float":
             raise ValueError(
-                f"{what} must be 2-D [tokens, {'experts' if kind == 'mask' else 'top_k'}], got {ndim}-D"
+                "routed is a float tensor: pass kind='mask' for a [tokens, experts] mask or kind='ids'"
             )
-        routed = routed.tolist()
+        kind = "mask" if dtype_kind == "bool" else "ids"
+    ndim = _ndim(routed)
+    if ndim != 2:
+        what = "router mask" if kind == "mask" else "routed expert ids"
+        raise ValueError(
+            f"{what} must be 2-D [tokens, {'experts' if kind == 'mask' else 'top_k'}], got {ndim}-D"
+        )
+    return routed.tolist(), kind
+
+
+def _python_rows(routed: Any) -> list[list]:
+    """One list per token row; a 1-D input (a flat mask or id list) is rejected."""
     if isinstance(routed, (str, bytes)) or not isinstance(routed, Iterable):
         raise ValueError(
             f"routed must be a 2-D mask or a sequence of per-token expert ids, got {type(routed).__name__}"
@@ -113,22 +126,30 @@ def routed_rows(routed: Any, kind: RoutedKind = "auto") -> tuple[frozenset[int],
                 f"routed must be 2-D: row {i} is a {type(row).__name__}, not a sequence "
                 "(a 1-D mask or a flat id list is not accepted)"
             )
-    rows = [list(r) for r in rows]
-    if kind == "auto":
-        entries = [x for r in rows for x in r]
-        is_mask = bool(entries) and all(_is_bool(x) for x in entries)
-        if not is_mask and any(_is_bool(x) for x in entries):
-            raise ValueError("routed mixes bools and ids; pass kind='mask' or kind='ids'")
-        kind = "mask" if is_mask else "ids"
-    if kind == "mask":
-        widths = {len(r) for r in rows}
-        if len(widths) > 1:
-            raise ValueError(f"router mask must be 2-D and rectangular, got row widths {sorted(widths)}")
-        for r in rows:
-            for x in r:
-                if isinstance(x, (list, tuple)):
-                    raise ValueError("router mask must be 2-D, got a deeper nesting")
-        return tuple(frozenset(j for j, x in enumerate(r) if x) for r in rows)
+    return [list(r) for r in rows]
+
+
+def _kind_of_entries(rows: list[list]) -> RoutedKind:
+    """All bools: a mask; no bool: ids; a mix is ambiguous."""
+    entries = [x for r in rows for x in r]
+    is_mask = bool(entries) and all(_is_bool(x) for x in entries)
+    if not is_mask and any(_is_bool(x) for x in entries):
+        raise ValueError("routed mixes bools and ids; pass kind='mask' or kind='ids'")
+    return "mask" if is_mask else "ids"
+
+
+def _mask_rows(rows: list[list]) -> tuple[frozenset[int], ...]:
+    widths = {len(r) for r in rows}
+    if len(widths) > 1:
+        raise ValueError(f"router mask must be 2-D and rectangular, got row widths {sorted(widths)}")
+    for r in rows:
+        for x in r:
+            if isinstance(x, (list, tuple)):
+                raise ValueError("router mask must be 2-D, got a deeper nesting")
+    return tuple(frozenset(j for j, x in enumerate(r) if x) for r in rows)
+
+
+def _id_rows(rows: list[list]) -> tuple[frozenset[int], ...]:
     out = []
     for i, r in enumerate(rows):
         ids = set()
@@ -146,6 +167,49 @@ def _nbytes(ids: Iterable[int], nbytes: Mapping[int, int] | None) -> int:
     if not nbytes:
         return 0
     return sum(int(nbytes.get(e, 0)) for e in ids)  # an expert missing from the map counts 0 (upstream)
+
+
+def _kept_indices(
+    rows: int, kept_rows: int | None, kept_spans: Sequence[tuple[int, int]] | None
+) -> Iterable[int]:
+    """The kept row indices of a layer with ``rows`` rows: a prefix, or the union of spans, clipped."""
+    if kept_spans is None:
+        return range(max(0, min(int(kept_rows), rows)))
+    return sorted({i for a, b in kept_spans for i in range(max(0, int(a)), min(int(b), rows))})
+
+
+def _step_summary(
+    records: list[_LayerRecord], kept_rows: int | None, kept_spans: Sequence[tuple[int, int]] | None
+) -> RouteAheadStepSummary:
+    """The set math of one verify step, summed over its layers (see the module docstring)."""
+    predicted = actual = covered = kept = wasted = 0
+    p_bytes = k_bytes = w_bytes = 0
+    for rec in records:
+        keep_idx = _kept_indices(len(rec.rows), kept_rows, kept_spans)
+        u_all: set[int] = set().union(*rec.rows) if rec.rows else set()
+        u_keep: set[int] = set().union(*(rec.rows[i] for i in keep_idx))
+        p = rec.predicted
+        waste_set = p - u_keep
+        predicted += len(p)
+        actual += len(u_all)
+        covered += len(p & u_all)
+        kept += len(u_keep)
+        wasted += len(waste_set)
+        p_bytes += _nbytes(p, rec.expert_nbytes)
+        k_bytes += _nbytes(p & u_keep, rec.expert_nbytes)
+        w_bytes += _nbytes(waste_set, rec.expert_nbytes)
+    has_bytes = any(rec.expert_nbytes is not None for rec in records)
+    return RouteAheadStepSummary(
+        layers=len(records),
+        predicted=predicted,
+        actual=actual,
+        covered=covered,
+        kept=kept,
+        wasted=wasted,
+        predicted_bytes=p_bytes if has_bytes else None,
+        kept_bytes=k_bytes if has_bytes else None,
+        wasted_bytes=w_bytes if has_bytes else None,
+    )
 
 
 class RouteAheadStats:
@@ -212,50 +276,22 @@ class RouteAheadStats:
         records, self._pending = self._pending, []
         if not records:
             return RouteAheadStepSummary()
-        predicted = actual = covered = kept = wasted = 0
-        has_bytes = any(rec.expert_nbytes is not None for rec in records)
-        p_bytes = k_bytes = w_bytes = 0
-        for rec in records:
-            n = len(rec.rows)
-            if kept_spans is None:
-                keep_idx: Iterable[int] = range(max(0, min(int(kept_rows), n)))
-            else:
-                keep_idx = sorted({i for a, b in kept_spans for i in range(max(0, int(a)), min(int(b), n))})
-            u_all: set[int] = set().union(*rec.rows) if rec.rows else set()
-            u_keep: set[int] = set().union(*(rec.rows[i] for i in keep_idx))
-            p = rec.predicted
-            predicted += len(p)
-            actual += len(u_all)
-            covered += len(p & u_all)
-            kept += len(u_keep)
-            waste_set = p - u_keep
-            wasted += len(waste_set)
-            p_bytes += _nbytes(p, rec.expert_nbytes)
-            k_bytes += _nbytes(p & u_keep, rec.expert_nbytes)
-            w_bytes += _nbytes(waste_set, rec.expert_nbytes)
-        summary = RouteAheadStepSummary(
-            layers=len(records),
-            predicted=predicted,
-            actual=actual,
-            covered=covered,
-            kept=kept,
-            wasted=wasted,
-            predicted_bytes=p_bytes if has_bytes else None,
-            kept_bytes=k_bytes if has_bytes else None,
-            wasted_bytes=w_bytes if has_bytes else None,
-        )
+        summary = _step_summary(records, kept_rows, kept_spans)
+        self._add(summary)
+        return summary
+
+    def _add(self, summary: RouteAheadStepSummary) -> None:
         self.steps += 1
         self.layers_observed += summary.layers
-        self.predicted_experts += predicted
-        self.actual_experts += actual
-        self.covered_experts += covered
-        self.kept_experts += kept
-        self.wasted_experts += wasted
-        if has_bytes:
-            self.predicted_prefetch_bytes = (self.predicted_prefetch_bytes or 0) + p_bytes
-            self.kept_prefetch_bytes = (self.kept_prefetch_bytes or 0) + k_bytes
-            self.wasted_prefetch_bytes = (self.wasted_prefetch_bytes or 0) + w_bytes
-        return summary
+        self.predicted_experts += summary.predicted
+        self.actual_experts += summary.actual
+        self.covered_experts += summary.covered
+        self.kept_experts += summary.kept
+        self.wasted_experts += summary.wasted
+        if summary.predicted_bytes is not None:
+            self.predicted_prefetch_bytes = (self.predicted_prefetch_bytes or 0) + summary.predicted_bytes
+            self.kept_prefetch_bytes = (self.kept_prefetch_bytes or 0) + summary.kept_bytes
+            self.wasted_prefetch_bytes = (self.wasted_prefetch_bytes or 0) + summary.wasted_bytes
 
     # -- ratios ----------------------------------------------------------------------------------------------
     @property

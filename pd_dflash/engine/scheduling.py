@@ -1,8 +1,8 @@
 """Deficit schedulers for concurrency c: which pending verify rounds join this scheduling step's batch.
 
 B2 uses ``TokenDeficitScheduler`` (tokens only, no expert-byte coupling); OURS uses ``TwoDimDeficitScheduler``
-over {tokens, expert bytes}, upstream's ``serving/scheduler.py::admit_verify_demands`` rule
-(research/upstream-phase-a.md §8):
+over {tokens, expert bytes}, upstream's ``serving/scheduler.py::admit_verify_demands`` rule (docs/reference-engine.md,
+"Deficit schedulers"):
 
 1. seat every in-flight demand first (unconditionally, they have priority);
 2. pool = budget + carried − seated, per dimension;

@@ -1,4 +1,5 @@
-"""Route-ahead counters on hand-built masks (issue 4 acceptance): each set-math rule of upstream-phase-a.md §3."""
+"""Route-ahead counters on hand-built masks (issue 4 acceptance): each set-math rule of upstream's
+``RouteAheadStats`` (docs/reference-engine.md, "Route-ahead statistics")."""
 
 from __future__ import annotations
 

@@ -20,11 +20,70 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+from pd_dflash.engine.interface import Refused
 from pd_dflash.engine.reference.decode import Block
-from pd_dflash.engine.scheduling import DeficitScheduler, TwoDimDeficitScheduler, VerifyDemand
+from pd_dflash.engine.reference.offload import OffloadRuntime
+from pd_dflash.engine.reference.options import ReferenceOptions
+from pd_dflash.engine.reference.serving import AdmitAll
+from pd_dflash.engine.scheduling import (
+    DeficitScheduler,
+    TokenDeficitScheduler,
+    TwoDimDeficitScheduler,
+    VerifyDemand,
+)
+from pd_dflash.schema import Status
+from pd_dflash.spec import Cell
 
 #: Steps kept verbatim in the trace (the rest is summarised).
 TRACE_STEPS = 64
+
+
+def scheduler_for(
+    cell: Cell, options: ReferenceOptions, runtime: OffloadRuntime, top_k: int, longest_prompt: int
+) -> AdmitAll | DeficitAdmission:
+    """None (``AdmitAll``) for B0/B1/B3, the token deficit for B2, the 2-D deficit for OURS; ``Refused`` when a
+    cap is below the largest single demand of the cell (that round could never be admitted).
+
+    Defaults (documented in docs/reference-engine.md): tokens budget c·B (every in-flight request can verify a
+    full block each step; a prefill longer than that is spread over steps by the deficit), tokens cap
+    max(2·budget, longest prompt, B); bytes budget = the cell's expert-cache capacity (a step's route-ahead fetch
+    must fit the cache), bytes cap = the largest route-ahead fetch one round can make.
+    """
+    if cell.baseline not in ("B2", "OURS"):
+        return AdmitAll()
+    opts, b = options, cell.block_size
+    largest_tokens = max(longest_prompt, b)
+    budget_tokens = opts.scheduler_budget_tokens or cell.concurrency * b
+    cap_tokens = opts.scheduler_cap_tokens or max(2 * budget_tokens, largest_tokens)
+    if cap_tokens < largest_tokens:
+        raise Refused(
+            Status.REFUSED,
+            f"engine_options.scheduler_cap_tokens={cap_tokens} is below the largest single demand of this "
+            f"cell, {largest_tokens} tokens (the longest prompt or the block size): that round could never "
+            f"be admitted. Fix: set it to at least {largest_tokens}",
+        )
+    if cell.baseline == "B2":
+        return DeficitAdmission(TokenDeficitScheduler(budget_tokens, cap_tokens))
+    store = runtime.store
+    e, k, nbytes, layers = store.num_experts, top_k, store.expert_nbytes, len(store.layer_ids)
+    largest_bytes = layers * min(largest_tokens * k, e) * nbytes
+    budget_bytes = opts.scheduler_budget_bytes or runtime.cache.num_slots * nbytes
+    cap_bytes = opts.scheduler_cap_bytes or max(budget_bytes, largest_bytes)
+    if cap_bytes < largest_bytes:
+        raise Refused(
+            Status.REFUSED,
+            f"engine_options.scheduler_cap_bytes={cap_bytes} is below the largest single route-ahead fetch of "
+            f"this cell, {largest_bytes} B ({largest_tokens} rows × top-{k} over {e} experts in each of "
+            f"{layers} MoE layers × {nbytes} B): that round could never be admitted. Fix: set "
+            f"it to at least {largest_bytes}",
+        )
+    return DeficitAdmission(
+        TwoDimDeficitScheduler(budget_tokens, budget_bytes, cap_tokens, cap_bytes),
+        fetch_keys=runtime.prefetcher.keys,
+        is_resident=runtime.cache.contains,
+        expert_nbytes=nbytes,
+        in_flight=runtime.prefetcher.in_flight,
+    )
 
 
 class DeficitAdmission:

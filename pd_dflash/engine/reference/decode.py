@@ -1,47 +1,24 @@
-"""Generation in steps: continuous batching of c requests, at most ONE batched target forward per step.
+"""What one round feeds the target and how AR decoding commits: requests, blocks and the target forward.
 
-A step (``run_requests``):
-
-1. admission — waiting requests enter until ``concurrency`` are in flight (a new request's first block is its
-   prompt, so its prefill counts toward its TTFT);
-2. proposal — every in-flight request without a pending block gets one from ``decoding.propose`` (AR: its last
-   token; speculative: ``[anchor, d1 .. d_{B−1}]`` from ONE batched drafter forward — the ``dflash_draft``
-   window);
-3. ``hooks.plan(blocks)`` — route-ahead runs the target's routers on the new blocks (``route_ahead_router``);
-4. scheduling — ``scheduler.select(pending)`` picks whose blocks are verified now (B1/AR: everyone; B2/OURS:
-   the deficit schedulers). A step that admits nothing runs no forward (an idle step, no time passes);
-5. ``hooks.begin_round`` — the prefetch hook (the AR prefetcher issues the first layer; route-ahead issues the
-   predicted experts of every layer, layer-pipelined);
-6. the target forward (``TargetModel.forward``, ``target_verify``): embeddings, then per decoder layer attention
-   per request on its own KV cache and the MoE block ONCE over the concatenated tokens of all requests (the
-   experts fetched are the union over the verified requests), then norm + LM head on the rows each block needs;
-7. ``decoding.commit`` — the accept rule: committed tokens and kept rows (rejected rows are rolled back out of
-   the request's KV cache);
-8. ``hooks.end_round(kept_spans)``; finished requests leave and free their KV cache.
-
-A round is a step that ran a forward; its record carries the draft, router, issue and verify times and their
-wall-clock windows (the link's transfers are compared against them: the BM4 overlap).
+``TargetModel`` drives a transformers MoE causal LM layer by layer over the blocks of a round: embeddings, then
+per decoder layer attention per request on its own KV cache and the MoE block ONCE over the concatenated tokens
+of all requests (the experts fetched are the union over the verified requests), then norm + LM head on the rows
+each block needs. ``AutoregressiveDecoding`` proposes width-1 blocks and commits one token per round
+(``speculative.py`` holds the speculative counterpart); the step loop that drives both is ``serving.py``.
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from pd_dflash.engine.nvtx_ranges import nvtx_range
 from pd_dflash.engine.reference.families import MoEFamily, attention_masks
 from pd_dflash.engine.reference.sampling import probabilities, sample
-
-#: A scheduler that admits nothing this many steps in a row is broken (liveness is proven for the deficit
-#: schedulers; this only turns a bug into an error instead of a hang).
-MAX_IDLE_STEPS = 100_000
+from pd_dflash.engine.request_metrics import RequestTiming
 
 
 @dataclass(eq=False)
@@ -59,6 +36,11 @@ class Request:
     admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
+
+    @property
+    def timing(self) -> RequestTiming:
+        """When it was admitted, got its first token and finished, and its tokens (``request_metrics``)."""
+        return RequestTiming(self.admitted_at, self.first_token_at, self.finished_at, len(self.output))
 
     @property
     def remaining(self) -> int:
@@ -95,26 +77,6 @@ class Block:
 class Commit:
     committed: int  # tokens appended to the output this round (bonus included)
     kept_rows: int  # block rows whose work survives (the rest is rolled back)
-
-
-@dataclass
-class RoundRecord:
-    start: float
-    seconds: float
-    forward_seconds: float
-    requests: int
-    tokens: int
-    #: Committed tokens per verified block, and which blocks were prefills (not verify rounds).
-    committed: list[int]
-    kv_bytes: int
-    prefill: list[bool] = field(default_factory=list)
-    draft_seconds: float = 0.0
-    router_seconds: float = 0.0
-    issue_seconds: float = 0.0
-    #: Scheduling steps this round waited through with nothing admitted (idle steps before its forward).
-    idle_steps: int = 0
-    #: (kind, start, end) wall-clock windows of the round's phases: draft, router, issue, verify.
-    windows: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -174,28 +136,36 @@ class TargetModel:
 
     @torch.no_grad()
     def forward(
-        self,
-        blocks: Sequence[Block],
-        capture: Sequence[int] = (),
-        *,
-        layers: int | None = None,
-        gate_inputs: dict[int, torch.Tensor] | None = None,
-    ) -> tuple[list[torch.Tensor], dict]:
+        self, blocks: Sequence[Block], capture: Sequence[int] = (), *, layers: int | None = None
+    ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
         """Logits ``[rows, vocab]`` per block, and the captured hidden states ``{index: [1, T, hidden]}`` over the
         concatenated tokens (HF ``output_hidden_states`` indexing: 0 = embeddings, i = output of layer i,
         ``num_layers`` = after the final norm).
 
         ``layers`` runs only the first n decoder layers and applies the final norm + LM head to their output
-        (the early-exit drafter); ``gate_inputs`` receives each run layer's MoE input (post-norm) ``[1, T, h]``.
+        (the early-exit drafter).
         """
+        logits, captured, _ = self._run(blocks, capture, layers, keep_gate_inputs=False)
+        return logits, captured
+
+    @torch.no_grad()
+    def forward_with_gate_inputs(
+        self, blocks: Sequence[Block], capture: Sequence[int] = (), *, layers: int | None = None
+    ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """``forward``, plus each run layer's MoE input (post-norm) ``{layer: [1, T, hidden]}``: the exact gate
+        inputs route-ahead predicts from when the early-exit drafter has run those layers."""
+        return self._run(blocks, capture, layers, keep_gate_inputs=True)
+
+    def _run(self, blocks, capture, layers, *, keep_gate_inputs: bool):
         base = self.model.model
         upto = self.num_layers if layers is None else layers
         h, rows = self._embed(blocks, upto)
         captured = {0: h} if 0 in capture else {}
+        gate_inputs = {}
         for i, layer in enumerate(base.layers[:upto]):
             h = self._attend(i, layer, h, blocks, rows)
             mlp_in = layer.post_attention_layernorm(h)
-            if gate_inputs is not None:
+            if keep_gate_inputs:
                 gate_inputs[i] = mlp_in
             h = h + self.family.mlp(layer.mlp, mlp_in)
             if i + 1 in capture and i + 1 < self.num_layers:
@@ -209,7 +179,7 @@ class TargetModel:
             logits.append(self.model.lm_head(h[0, s + b.logits_from : e]))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return logits, captured
+        return logits, captured, gate_inputs
 
     @torch.no_grad()
     def first_gate_inputs(self, blocks: Sequence[Block], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,137 +226,3 @@ def next_token(logits: torch.Tensor, temperature: float, generator: torch.Genera
     if temperature > 0:
         return int(sample(probabilities(logits, temperature), generator))
     return int(logits.float().argmax())
-
-
-class RoundHooks:
-    """What the loop calls around each target forward (``OffloadRuntime`` implements it)."""
-
-    def plan(self, blocks: list[Block]) -> bool:
-        """Predict the new blocks' experts before scheduling; True when a router pass ran."""
-        return False
-
-    def begin_round(self, owners: list[tuple[Any, int]]) -> None: ...
-    def end_round(self, *, kept_spans: list[tuple[int, int]], finished: set | None = None) -> None: ...
-    def forget(self, rid: Any) -> None: ...
-
-
-class AdmitAll:
-    """No scheduler (AR, B1): every pending block is verified every step."""
-
-    name = "none"
-
-    def select(self, blocks: list[Block]) -> list[Block]:
-        return list(blocks)
-
-    def describe(self) -> dict:
-        return {"kind": self.name}
-
-
-def kv_bytes(cache) -> int:
-    total = 0
-    for layer in getattr(cache, "layers", ()):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total
-
-
-def run_requests(
-    target: TargetModel,
-    requests: Sequence[Request],
-    *,
-    concurrency: int,
-    decoding,
-    hooks: RoundHooks,
-    scheduler=None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> list[RoundRecord]:
-    """Serve ``requests`` with ``concurrency`` in flight until all are done; returns one record per round."""
-    scheduler = scheduler or AdmitAll()
-    waiting, active, rounds = deque(requests), [], []
-    pending: dict[Any, Block] = {}
-    step, idle = 0, 0
-    round_start = None
-    carried = {"draft": 0.0, "router": 0.0}
-    windows: list[tuple[str, float, float]] = []
-    while waiting or active:
-        now = clock()
-        round_start = now if round_start is None else round_start
-        while waiting and len(active) < concurrency:
-            request = waiting.popleft()
-            request.cache, request.admitted_at = target.new_cache(), now
-            if decoding.speculative:
-                request.cache.activate_past_recording()  # sliding-window layers must be able to roll back
-            active.append(request)
-        fresh = [r for r in active if r.rid not in pending]
-        if fresh:
-            t0 = clock()
-            with nvtx_range("dflash_draft") if decoding.speculative else nullcontext():
-                new_blocks = decoding.propose(fresh)
-            t1 = clock()
-            routed = hooks.plan(new_blocks)  # route-ahead: the router pass (its own NVTX range)
-            t2 = clock()
-            for b in new_blocks:
-                b.ready_step = step
-                pending[b.request.rid] = b
-            if decoding.speculative and any(not b.prefill for b in new_blocks):
-                carried["draft"] += t1 - t0
-                windows.append(("draft", t0, t1))
-            if routed:
-                carried["router"] += t2 - t1
-                windows.append(("router", t1, t2))
-        batch = scheduler.select([pending[r.rid] for r in active])
-        step += 1
-        if not batch:
-            idle += 1
-            if idle > MAX_IDLE_STEPS:
-                raise RuntimeError(f"the scheduler admitted nothing for {idle} steps in a row")
-            continue
-        for b in batch:
-            del pending[b.request.rid]
-        t0 = clock()
-        hooks.begin_round([(b.request.rid, len(b.tokens)) for b in batch])
-        forward_start = clock()
-        with nvtx_range("target_verify"):
-            logits, captured = target.forward(batch, capture=decoding.capture)
-        forward_end = clock()
-        spans, row, commits = [], 0, []
-        for b, lg in zip(batch, logits, strict=True):
-            rows = {i: h[0, row : row + len(b.tokens)] for i, h in captured.items()}
-            c = decoding.commit(b, lg, rows)
-            commits.append(c)
-            spans.append((row, row + c.kept_rows))
-            row += len(b.tokens)
-        end_active = [r for r in active if r.done]
-        hooks.end_round(kept_spans=spans, finished={r.rid for r in end_active})
-        end = clock()
-        kv = sum(kv_bytes(r.cache) for r in active)
-        for b in batch:
-            if b.request.first_token_at is None and b.request.output:
-                b.request.first_token_at = end
-        for r in end_active:
-            r.finished_at, r.cache, r.features = end, None, None
-            active.remove(r)
-            pending.pop(r.rid, None)
-            hooks.forget(r.rid)
-        windows += [("issue", t0, forward_start), ("verify", forward_start, forward_end)]
-        rounds.append(
-            RoundRecord(
-                start=round_start,
-                seconds=end - round_start,
-                forward_seconds=forward_end - forward_start,
-                requests=len(batch),
-                tokens=row,
-                committed=[c.committed for c in commits],
-                kv_bytes=kv,
-                prefill=[b.prefill for b in batch],
-                draft_seconds=carried["draft"],
-                router_seconds=carried["router"],
-                issue_seconds=forward_start - t0,
-                idle_steps=idle,
-                windows=windows,
-            )
-        )
-        round_start, idle, windows = None, 0, []
-        carried = {"draft": 0.0, "router": 0.0}
-    return rounds

@@ -16,22 +16,19 @@ the timed requests with continuous batching at the cell's concurrency, and assem
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import pd_dflash
 from pd_dflash.engine import nvml
-from pd_dflash.engine.interface import Engine, EngineContext
+from pd_dflash.engine.interface import Engine, EngineContext, Refused
 from pd_dflash.engine.probe import measure_h2d_bytes_per_second
-from pd_dflash.engine.reference.admission import DeficitAdmission
-from pd_dflash.engine.reference.decode import (
-    AdmitAll,
-    AutoregressiveDecoding,
-    Request,
-    TargetModel,
-    run_requests,
-)
+from pd_dflash.engine.reference.admission import scheduler_for
+from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Request, TargetModel
 from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.link import CudaLink, HostLink
 from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts, assemble
@@ -42,11 +39,28 @@ from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
 from pd_dflash.engine.reference.presets.catalog import get_preset
 from pd_dflash.engine.reference.presets.drafters import load_drafter
 from pd_dflash.engine.reference.route_prefetch import RouteAheadPrefetcher
+from pd_dflash.engine.reference.serving import RoundRecord, run_requests
 from pd_dflash.engine.reference.speculative import BlockDrafterSource, EarlyExitDrafter, SpeculativeDecoding
-from pd_dflash.engine.scheduling import TokenDeficitScheduler, TwoDimDeficitScheduler
 from pd_dflash.errors import InputError
 from pd_dflash.schema import EngineResult, Status
 from pd_dflash.spec import Cell
+
+
+@dataclass
+class _CellSetup:
+    """One cell's pieces, built before its warm-up."""
+
+    warm: list[Request]
+    timed: list[Request]
+    decoding: Any  # AutoregressiveDecoding | SpeculativeDecoding
+    drafter_facts: dict[str, Any] | None
+    #: Seconds this cell spent training or loading the DFlash drafter (None when it was loaded before).
+    drafter_load_seconds: float | None
+    runtime: OffloadRuntime
+    link: LinkFacts
+    scheduler: Any  # AdmitAll | DeficitAdmission
+    telemetry_start: dict[str, Any] | None
+    setup_seconds: float
 
 
 class ReferenceEngine(Engine):
@@ -127,64 +141,13 @@ class ReferenceEngine(Engine):
         return facts
 
     def run_cell(self, cell: Cell) -> EngineResult:
-        capacity, refusal = self.cache_capacity(cell)
-        if refusal:
-            return EngineResult(status=Status.REFUSED, reason=refusal)
-        setup = time.perf_counter()
-        wl = self.ctx.workload
-        warm = self._requests(cell, wl.warmup_rounds, max_new=cell.block_size, stream=1, tag="warmup")
-        timed = self._requests(cell, wl.requests, max_new=cell.max_new_tokens, stream=0, tag="r")
-        drafter_loaded_here = self._dflash is None
-        drafter_load = time.perf_counter()
-        decoding, drafter_facts, refusal = self._decoding(cell)
-        if refusal:
-            return EngineResult(status=Status.REFUSED, reason=refusal)
-        drafter_load = time.perf_counter() - drafter_load
-        drafter_loaded_here = drafter_loaded_here and self._dflash is not None
-        runtime, link_facts = self._runtime(cell, capacity)
-        try:
-            scheduler, refusal = self._scheduler(cell, runtime, max(len(r.prompt) for r in warm + timed))
-            if refusal:
-                return EngineResult(status=Status.REFUSED, reason=refusal)
-            telemetry_start = nvml.telemetry(0) if self.device.type == "cuda" else None
-            setup_seconds = time.perf_counter() - setup
-            torch.manual_seed(wl.seed)
-            warm_start = time.perf_counter()
-            if warm:
-                self._serve(cell, warm, runtime, decoding, scheduler)
-            runtime.reset_measurement()
-            if hasattr(scheduler, "reset"):
-                scheduler.reset()
-            warm_seconds = time.perf_counter() - warm_start
-            t0 = time.perf_counter()
-            rounds = self._serve(cell, timed, runtime, decoding, scheduler)
-            timed_seconds = time.perf_counter() - t0
-            runtime.cache.drain()
-            telemetry = None
-            if telemetry_start is not None:
-                telemetry = {"start": telemetry_start, "end": nvml.telemetry(0)}
-            engine = {**self.describe(), **(runtime.prefetcher.describe() if runtime.prefetcher else {})}
-            engine["decoding"] = "speculative" if decoding.speculative else "autoregressive"
-            engine["drafter"] = drafter_facts
-            engine["scheduler"] = scheduler.describe()
-            timings = {"setup": setup_seconds, "warmup": warm_seconds, "timed": timed_seconds}
-            if drafter_loaded_here:  # trained it, waited on another runner's training, or loaded it
-                timings["drafter_load"] = drafter_load
-            measurement = CellMeasurement(
-                requests=timed,
-                rounds=rounds,
-                timed_seconds=timed_seconds,
-                runtime=runtime,
-                link=link_facts,
-                engine=engine,
-                timings=timings,
-                telemetry=telemetry,
-                speculative=decoding.speculative,
-                block_size=cell.block_size,
-            )
-            return assemble(measurement, self.ctx.slo)
-        finally:
-            runtime.close()
+        """Setup (a configuration the engine must not run raises ``Refused`` here) → warm-up → the timed
+        requests → the row."""
+        capacity = self.cache_capacity(cell)
+        with self._setup(cell, capacity) as setup:
+            warm_seconds = self._warm_up(cell, setup)
+            rounds, timed_seconds = self._timed(cell, setup)
+            return assemble(self._measurement(setup, rounds, warm_seconds, timed_seconds), self.ctx.slo)
 
     def close(self) -> None:
         self.target = None
@@ -193,13 +156,90 @@ class ReferenceEngine(Engine):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    # -- the steps of a cell -----------------------------------------------------------------------------------
+    @contextmanager
+    def _setup(self, cell: Cell, capacity: int) -> Iterator[_CellSetup]:
+        """The cell's requests, decoding (the drafter loads at the first speculative cell), expert cache,
+        prefetcher and scheduler; the cache and its link are closed when the cell ends."""
+        start = time.perf_counter()
+        wl = self.ctx.workload
+        warm = self._requests(cell, wl.warmup_rounds, max_new=cell.block_size, stream=1, tag="warmup")
+        timed = self._requests(cell, wl.requests, max_new=cell.max_new_tokens, stream=0, tag="r")
+        decoding, drafter_facts, drafter_load = self._load_decoding(cell)
+        runtime, link = self._runtime(cell, capacity)
+        try:
+            longest_prompt = max(len(r.prompt) for r in warm + timed)
+            scheduler = scheduler_for(cell, self.options, runtime, self.top_k, longest_prompt)
+            yield _CellSetup(
+                warm=warm,
+                timed=timed,
+                decoding=decoding,
+                drafter_facts=drafter_facts,
+                drafter_load_seconds=drafter_load,
+                runtime=runtime,
+                link=link,
+                scheduler=scheduler,
+                telemetry_start=nvml.telemetry(0) if self.device.type == "cuda" else None,
+                setup_seconds=time.perf_counter() - start,
+            )
+        finally:
+            runtime.close()
+
+    def _warm_up(self, cell: Cell, setup: _CellSetup) -> float:
+        """Serve the warm-up requests, then reset the counters and statistics (cache contents and prefetch
+        history stay warm); returns its seconds."""
+        torch.manual_seed(self.ctx.workload.seed)
+        start = time.perf_counter()
+        if setup.warm:
+            self._serve(cell, setup.warm, setup)
+        setup.runtime.reset_measurement()
+        if hasattr(setup.scheduler, "reset"):
+            setup.scheduler.reset()
+        return time.perf_counter() - start
+
+    def _timed(self, cell: Cell, setup: _CellSetup) -> tuple[list[RoundRecord], float]:
+        """Serve the timed requests: their rounds and the timed wall time (first admission → last completion)."""
+        start = time.perf_counter()
+        rounds = self._serve(cell, setup.timed, setup)
+        seconds = time.perf_counter() - start
+        setup.runtime.cache.drain()
+        return rounds, seconds
+
+    def _measurement(
+        self, setup: _CellSetup, rounds: list[RoundRecord], warm_seconds: float, timed_seconds: float
+    ) -> CellMeasurement:
+        """What the cell measured, with the engine and cell facts the row carries."""
+        runtime = setup.runtime
+        telemetry = None
+        if setup.telemetry_start is not None:
+            telemetry = {"start": setup.telemetry_start, "end": nvml.telemetry(0)}
+        engine = {**self.describe(), **(runtime.prefetcher.describe() if runtime.prefetcher else {})}
+        engine["decoding"] = "speculative" if setup.decoding.speculative else "autoregressive"
+        engine["drafter"] = setup.drafter_facts
+        engine["scheduler"] = setup.scheduler.describe()
+        timings = {"setup": setup.setup_seconds, "warmup": warm_seconds, "timed": timed_seconds}
+        # Only in the cell that trained the drafter, waited on another runner's training, or loaded it.
+        if setup.drafter_load_seconds is not None:
+            timings["drafter_load"] = setup.drafter_load_seconds
+        return CellMeasurement(
+            requests=setup.timed,
+            rounds=rounds,
+            timed_seconds=timed_seconds,
+            runtime=runtime,
+            link=setup.link,
+            engine=engine,
+            timings=timings,
+            telemetry=telemetry,
+            speculative=setup.decoding.speculative,
+        )
+
     # -- cell pieces ---------------------------------------------------------------------------------------------
-    def cache_capacity(self, cell: Cell) -> tuple[int, str | None]:
-        """The cell's expert-cache capacity in bytes, or a refusal (upstream: an offloaded baseline must
-        really offload; B3 holds every expert)."""
+    def cache_capacity(self, cell: Cell) -> int:
+        """The cell's expert-cache capacity in bytes. B3 holds every expert; an offloaded baseline must really
+        offload (as upstream), so a capacity that holds every expert, or less than one, is ``Refused``."""
         total = self.store.total_bytes
         if not cell.offloaded:
-            return total, None
+            return total
         opts, frac = self.options, self.ctx.memory.expert_cache_fraction
         if opts.expert_cache_bytes is not None:
             capacity, given = (
@@ -209,48 +249,57 @@ class ReferenceEngine(Engine):
         elif frac is not None:
             capacity, given = int(frac * total), f"memory.expert_cache_fraction={frac}"
         else:
-            return 0, (
+            raise Refused(
+                Status.REFUSED,
                 f"{cell.baseline} must be offloaded, but no expert-cache capacity is set, so the cache would hold "
                 f"every expert ({total} B). Fix: set memory.expert_cache_fraction below 1 (e.g. 0.25) or "
-                "models[].engine_options.expert_cache_bytes"
+                "models[].engine_options.expert_cache_bytes",
             )
         slots, entries = capacity // self.store.expert_nbytes, self.store.num_entries
         if slots >= entries:
-            return 0, (
+            raise Refused(
+                Status.REFUSED,
                 f"{cell.baseline} must be offloaded, but {given} gives a cache of {capacity} B that holds all "
                 f"{entries} experts ({total} B): nothing would be offloaded. Fix: lower it so the cache holds fewer "
-                f"than {entries} experts (< {total} B)"
+                f"than {entries} experts (< {total} B)",
             )
         if slots < 1:
-            return 0, (
+            raise Refused(
+                Status.REFUSED,
                 f"{given} gives a cache of {capacity} B, smaller than one expert ({self.store.expert_nbytes} B). "
-                "Fix: raise it to at least one expert"
+                "Fix: raise it to at least one expert",
             )
         if cell.baseline == "OURS" and slots < 2:
-            return 0, (
+            raise Refused(
+                Status.REFUSED,
                 f"{given} gives a cache of one expert slot: route-ahead pins prefetched experts until their layer "
-                "runs and needs at least 2 slots. Fix: raise the capacity"
+                "runs and needs at least 2 slots. Fix: raise the capacity",
             )
-        return capacity, None
+        return capacity
+
+    def _load_decoding(self, cell: Cell):
+        """``_decoding``, and the seconds it took when this cell trained or loaded the DFlash drafter."""
+        loaded_before = self._dflash is not None
+        start = time.perf_counter()
+        decoding, facts = self._decoding(cell)
+        seconds = time.perf_counter() - start
+        return decoding, facts, (seconds if not loaded_before and self._dflash is not None else None)
 
     def _decoding(self, cell: Cell):
-        """(decoding, drafter facts, refusal) of the cell: AR for B0/B3, the configured drafter otherwise."""
+        """(decoding, drafter facts) of the cell: AR for B0/B3, the configured drafter otherwise."""
         temperature = self.ctx.workload.temperature
         if not cell.speculative:
-            return AutoregressiveDecoding(temperature), None, None
+            return AutoregressiveDecoding(temperature), None
         if self.options.drafter == "early_exit":
             drafter = EarlyExitDrafter(
                 self.target, self.options.early_exit_layers, route_ahead=cell.baseline == "OURS"
             )
-            return SpeculativeDecoding(drafter, cell.block_size, temperature), drafter.describe(), None
+            return SpeculativeDecoding(drafter, cell.block_size, temperature), drafter.describe()
         if self.loaded.source != "preset":
-            return (
-                None,
-                None,
-                (
-                    "engine_options.drafter=dflash needs a trained DFlash drafter, which the reference engine trains "
-                    "for its presets only; for a checkpoint use engine_options.drafter: early_exit"
-                ),
+            raise Refused(
+                Status.REFUSED,
+                "engine_options.drafter=dflash needs a trained DFlash drafter, which the reference engine trains "
+                "for its presets only; for a checkpoint use engine_options.drafter: early_exit",
             )
         if self._dflash is None:
             self._dflash = load_drafter(
@@ -262,17 +311,16 @@ class ReferenceEngine(Engine):
             )
         drafter, card = self._dflash
         if cell.block_size > drafter.config.block_size:
-            return (
-                None,
-                None,
-                (f"block size {cell.block_size} exceeds the DFlash drafter's {drafter.config.block_size}"),
+            raise Refused(
+                Status.REFUSED,
+                f"block size {cell.block_size} exceeds the DFlash drafter's {drafter.config.block_size}",
             )
         source = BlockDrafterSource(drafter, self.target, route_ahead=cell.baseline == "OURS")
         facts = {
             **source.describe(),
             "card": {k: card.get(k) for k in ("tau", "train", "params", "cache_hit")},
         }
-        return SpeculativeDecoding(source, cell.block_size, temperature), facts, None
+        return SpeculativeDecoding(source, cell.block_size, temperature), facts
 
     def _runtime(self, cell: Cell, capacity: int) -> tuple[OffloadRuntime, LinkFacts]:
         opts = self.options
@@ -311,49 +359,6 @@ class ReferenceEngine(Engine):
         runtime.attach(self.target.model)
         return runtime, facts
 
-    def _scheduler(self, cell: Cell, runtime: OffloadRuntime, longest_prompt: int):
-        """(scheduler, refusal): none for B0/B1/B3, the token deficit for B2, the 2-D deficit for OURS.
-
-        Defaults (documented in docs/reference-engine.md): tokens budget c·B (every in-flight request can
-        verify a full block each step; a prefill longer than that is spread over steps by the deficit), tokens
-        cap max(2·budget, longest prompt, B); bytes budget = the cell's expert-cache capacity (a step's
-        route-ahead fetch must fit the cache), bytes cap = the largest route-ahead fetch one round can make.
-        """
-        if cell.baseline not in ("B2", "OURS"):
-            return AdmitAll(), None
-        opts, b = self.options, cell.block_size
-        largest_tokens = max(longest_prompt, b)
-        budget_tokens = opts.scheduler_budget_tokens or cell.concurrency * b
-        cap_tokens = opts.scheduler_cap_tokens or max(2 * budget_tokens, largest_tokens)
-        if cap_tokens < largest_tokens:
-            return None, (
-                f"engine_options.scheduler_cap_tokens={cap_tokens} is below the largest single demand of this "
-                f"cell, {largest_tokens} tokens (the longest prompt or the block size): that round could never "
-                f"be admitted. Fix: set it to at least {largest_tokens}"
-            )
-        if cell.baseline == "B2":
-            return DeficitAdmission(TokenDeficitScheduler(budget_tokens, cap_tokens)), None
-        e, k, nbytes = self.store.num_experts, self.top_k, self.store.expert_nbytes
-        largest_bytes = len(self.store.layer_ids) * min(largest_tokens * k, e) * nbytes
-        budget_bytes = opts.scheduler_budget_bytes or runtime.cache.num_slots * nbytes
-        cap_bytes = opts.scheduler_cap_bytes or max(budget_bytes, largest_bytes)
-        if cap_bytes < largest_bytes:
-            return None, (
-                f"engine_options.scheduler_cap_bytes={cap_bytes} is below the largest single route-ahead fetch of "
-                f"this cell, {largest_bytes} B ({largest_tokens} rows × top-{k} over {e} experts in each of "
-                f"{len(self.store.layer_ids)} MoE layers × {nbytes} B): that round could never be admitted. Fix: set "
-                f"it to at least {largest_bytes}"
-            )
-        prefetcher = runtime.prefetcher
-        scheduler = TwoDimDeficitScheduler(budget_tokens, budget_bytes, cap_tokens, cap_bytes)
-        return DeficitAdmission(
-            scheduler,
-            fetch_keys=prefetcher.keys,
-            is_resident=runtime.cache.contains,
-            expert_nbytes=nbytes,
-            in_flight=prefetcher.in_flight,
-        ), None
-
     def _requests(self, cell: Cell, n: int, *, max_new: int, stream: int, tag: str) -> list[Request]:
         wl = self.ctx.workload
         if n == 0:
@@ -370,14 +375,14 @@ class ReferenceEngine(Engine):
             out.append(Request(f"{tag}{i}", prompt, max_new, self.loaded.eos_token_id, gen))
         return out
 
-    def _serve(self, cell: Cell, requests: list[Request], runtime: OffloadRuntime, decoding, scheduler):
+    def _serve(self, cell: Cell, requests: list[Request], setup: _CellSetup) -> list[RoundRecord]:
         return run_requests(
             self.target,
             requests,
             concurrency=cell.concurrency,
-            decoding=decoding,
-            hooks=runtime,
-            scheduler=scheduler,
+            decoding=setup.decoding,
+            hooks=setup.runtime,
+            scheduler=setup.scheduler,
         )
 
 

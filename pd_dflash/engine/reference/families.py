@@ -1,4 +1,4 @@
-"""What the engine needs to know about each transformers 5.x MoE family (engine-anchors.md §3.2).
+"""What the engine needs to know about each transformers 5.x MoE family.
 
 Experts are fused 3-D tensors (``experts.gate_up_proj[e]`` is one expert's contiguous slice). The per-expert
 compute below mirrors each family's *eager* experts forward operation for operation, so an offloaded expert

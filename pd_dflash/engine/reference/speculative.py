@@ -175,13 +175,12 @@ class EarlyExitDrafter:
         steps = block_size if self.route_ahead else block_size - 1
         for step in range(steps):
             blocks = [Block(r, [tokens[r.rid][-1]], 0) for r in requests]
-            gate_inputs: dict[int, torch.Tensor] = {}
-            logits, captured = self.target.forward(
-                blocks,
-                capture=(self.layers,) if self.route_ahead else (),
-                layers=self.layers,
-                gate_inputs=gate_inputs if self.route_ahead else None,
-            )
+            if self.route_ahead:
+                logits, captured, gate_inputs = self.target.forward_with_gate_inputs(
+                    blocks, capture=(self.layers,), layers=self.layers
+                )
+            else:
+                logits, captured = self.target.forward(blocks, layers=self.layers)
             for j, r in enumerate(requests):
                 if self.route_ahead:
                     for layer, x in gate_inputs.items():

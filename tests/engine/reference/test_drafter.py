@@ -1,7 +1,7 @@
 """Block drafter: distillation against a briefly trained tiny MoE target on a seeded order-2 language.
 
-A random target is useless for acceptance (engine-anchors.md §3.4), so the module fixture trains one for a few
-seconds first. Run with ``-s`` to see the measured τ (quoted in docs/reference-engine.md, Components §4).
+A random target is useless for acceptance, so the module fixture trains one for a few seconds first. Run with
+``-s`` to see the measured τ (quoted in docs/reference-engine.md, "The block drafter").
 """
 
 from __future__ import annotations

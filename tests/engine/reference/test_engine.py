@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd_dflash.engine.interface import EngineContext
+from pd_dflash.engine.interface import EngineContext, Refused
 from pd_dflash.engine.registry import engine_class
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import expand, parse_spec
@@ -100,13 +100,16 @@ def test_offloaded_and_resident_generate_the_same_tokens(micro_rows):
 def test_refuses_an_offloaded_baseline_that_would_hold_every_expert(micro):
     engine = make_engine(make_spec(memory={}))  # no capacity given: nothing would be offloaded
     cells = {c.baseline: c for c in expand(make_spec(memory={}, concurrency=[1]))}
-    refused = engine.run_cell(cells["B0"])
-    assert refused.status == Status.REFUSED and "offloaded" in refused.reason and "Fix" in refused.reason
+    with pytest.raises(Refused) as refused:
+        engine.run_cell(cells["B0"])
+    assert refused.value.status == Status.REFUSED
+    assert "offloaded" in refused.value.reason and "Fix" in refused.value.reason
     assert engine.run_cell(cells["B3"]).status == Status.OK  # B3 is resident by definition
     total = engine.store.total_bytes
     full = make_engine(make_spec(options={"expert_cache_bytes": total}, concurrency=[1]))
-    r = full.run_cell(cells["B0"])
-    assert r.status == Status.REFUSED and "holds all" in r.reason
+    with pytest.raises(Refused) as r:
+        full.run_cell(cells["B0"])
+    assert r.value.status == Status.REFUSED and "holds all" in r.value.reason
 
 
 def test_slo_goodput_counts_only_requests_meeting_every_slo(micro_engine):

@@ -7,18 +7,13 @@ import copy
 import pytest
 import torch
 
-from pd_dflash.engine.reference.decode import (
-    AutoregressiveDecoding,
-    Block,
-    Request,
-    TargetModel,
-    run_requests,
-)
+from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Block, Request, TargetModel
 from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.families import family_of
 from pd_dflash.engine.reference.link import HostLink
 from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
 from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
+from pd_dflash.engine.reference.serving import run_requests
 from tests.engine.reference.conftest import eager_copy, tiny_model
 
 CPU = torch.device("cpu")

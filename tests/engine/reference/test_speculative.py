@@ -8,19 +8,15 @@ import copy
 import pytest
 import torch
 
-from pd_dflash.engine.reference.decode import (
-    AutoregressiveDecoding,
-    Block,
-    Request,
-    TargetModel,
-    run_requests,
-)
+from pd_dflash.engine.interface import Refused
+from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Block, Request, TargetModel
 from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.families import family_of
 from pd_dflash.engine.reference.link import HostLink
 from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
 from pd_dflash.engine.reference.presets.catalog import get_preset
 from pd_dflash.engine.reference.presets.drafters import load_drafter
+from pd_dflash.engine.reference.serving import run_requests
 from pd_dflash.engine.reference.speculative import EarlyExitDrafter, SpeculativeDecoding
 from pd_dflash.engine.registry import blocked_reason
 from pd_dflash.errors import InputError
@@ -147,12 +143,14 @@ def test_a_cap_below_the_largest_single_demand_is_refused_with_the_fix(micro):
     )
     engine = make_engine(spec)
     for cell in expand(spec):
-        result = engine.run_cell(cell)
-        assert result.status == Status.REFUSED
-        assert "scheduler_cap_tokens=9" in result.reason and "at least 12" in result.reason
+        with pytest.raises(Refused) as refused:
+            engine.run_cell(cell)
+        assert refused.value.status == Status.REFUSED
+        assert "scheduler_cap_tokens=9" in refused.value.reason and "at least 12" in refused.value.reason
     spec = spec_for("dflash", baselines=("OURS",), concurrency=(1,), block_sizes=(8,), scheduler_cap_bytes=1)
-    result = make_engine(spec).run_cell(expand(spec)[0])
-    assert result.status == Status.REFUSED and "scheduler_cap_bytes=1" in result.reason
+    with pytest.raises(Refused) as refused:
+        make_engine(spec).run_cell(expand(spec)[0])
+    assert refused.value.status == Status.REFUSED and "scheduler_cap_bytes=1" in refused.value.reason
 
 
 def test_sampling_at_temperature_one_is_reproducible_and_accepts(micro):

@@ -9,7 +9,8 @@ by KL(p_target ‖ q_drafter). Every step draws a batch from ``sample_batch(gene
 Recommended data (DFlash trains on target-generated responses): ``target_rollouts`` continues prompts of the
 synthetic language with the target's own greedy decoding, and ``pool_sampler`` draws training batches from that
 pool. With greedy verification this lifts τ by 0.9-3.5 tokens per round on every reference preset
-(docs/reference-engine.md Components §4, ``python -m pd_dflash.engine.reference.presets.drafter_training --data both``):
+(docs/reference-engine.md, "The block drafter"; measured by
+``python -m pd_dflash.engine.reference.presets.drafter_training --data both``):
 along noisy language data the teacher's distribution at depth k is conditioned on intermediate tokens the
 drafter cannot see, along greedy rollouts it is not.
 
@@ -24,7 +25,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -191,69 +193,97 @@ def train_drafter(
     """
     if steps < 1:
         raise ValueError(f"steps must be ≥ 1, got {steps}")
-    if config is None:
-        config = DrafterConfig.for_target(target.config, block_size=block_size_max)
-    elif config.block_size != block_size_max:
-        raise ValueError(
-            f"config.block_size {config.block_size} differs from block_size_max {block_size_max}"
-        )
-    shared = SharedTargetParts.from_causal_lm(target)
+    config = _drafter_config(target, config, block_size_max)
+    drafter = _initial_drafter(target, config, seed)
     device = next(target.parameters()).device
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        drafter = BlockDrafter(config, shared).to(device)
     data_gen = torch.Generator().manual_seed(seed)
     anchor_gen = torch.Generator().manual_seed(seed + 1)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-
-    was_training = target.training
-    requires_grad = [p.requires_grad for p in target.parameters()]
-    target.eval()
-    for p in target.parameters():
-        p.requires_grad_(False)  # shared head/norm/embedding get no gradient
     losses: list[float] = []
     start = time.perf_counter()
-    try:
+    with _frozen(target):
         drafter.train()
         for step in range(steps):
-            input_ids = sample_batch(data_gen)
-            if input_ids.dim() != 2 or input_ids.dtype != torch.long:
-                raise ValueError(
-                    f"sample_batch must return a LongTensor [batch, seq], got {input_ids.dtype} "
-                    f"{tuple(input_ids.shape)}"
-                )
-            seq = input_ids.shape[1]
-            if seq < config.context_len + block_size_max:
-                raise ValueError(
-                    f"sample_batch sequences of length {seq} are shorter than context_len + block_size_max "
-                    f"= {config.context_len + block_size_max}"
-                )
-            input_ids = input_ids.to(device)
-            with torch.no_grad():
-                out = target(input_ids, output_hidden_states=True)
-                features = gather_features(out.hidden_states, config.target_layer_ids)
+            input_ids = _checked_batch(sample_batch(data_gen), config.context_len + block_size_max).to(device)
+            features, teacher_logits = _teacher(target, input_ids, config)
             anchors = torch.randint(
                 config.context_len,
-                seq - block_size_max + 2,
+                input_ids.shape[1] - block_size_max + 2,
                 (input_ids.shape[0], anchors_per_sequence),
                 generator=anchor_gen,
             ).to(device)
             loss = distillation_loss(
-                drafter, features, out.logits, input_ids, anchors, block_size_max, position_decay
+                drafter, features, teacher_logits, input_ids, anchors, block_size_max, position_decay
             )
-            for group in optimizer.param_groups:
-                group["lr"] = _lr_at(step, steps, lr)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-            optimizer.step()
-            losses.append(loss.detach().item())
+            losses.append(_optimizer_step(optimizer, drafter, loss, _lr_at(step, steps, lr)))
+    drafter.eval()
+    return drafter, DrafterTrainReport(steps=steps, seconds=time.perf_counter() - start, losses=losses)
+
+
+def _drafter_config(target: nn.Module, config: DrafterConfig | None, block_size_max: int) -> DrafterConfig:
+    if config is None:
+        return DrafterConfig.for_target(target.config, block_size=block_size_max)
+    if config.block_size != block_size_max:
+        raise ValueError(
+            f"config.block_size {config.block_size} differs from block_size_max {block_size_max}"
+        )
+    return config
+
+
+def _initial_drafter(target: nn.Module, config: DrafterConfig, seed: int) -> BlockDrafter:
+    """The untrained drafter on the target's device, its weights drawn from ``seed`` (global RNG untouched)."""
+    shared = SharedTargetParts.from_causal_lm(target)
+    device = next(target.parameters()).device
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return BlockDrafter(config, shared).to(device)
+
+
+@contextmanager
+def _frozen(target: nn.Module) -> Iterator[None]:
+    """The target in eval mode with no gradient (its shared head, norm and embedding included), restored after."""
+    was_training = target.training
+    requires_grad = [p.requires_grad for p in target.parameters()]
+    target.eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    try:
+        yield
     finally:
         for p, flag in zip(target.parameters(), requires_grad, strict=True):
             p.requires_grad_(flag)
         target.train(was_training)
-    drafter.eval()
-    return drafter, DrafterTrainReport(steps=steps, seconds=time.perf_counter() - start, losses=losses)
+
+
+def _checked_batch(input_ids: torch.Tensor, min_len: int) -> torch.Tensor:
+    if input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError(
+            f"sample_batch must return a LongTensor [batch, seq], got {input_ids.dtype} {tuple(input_ids.shape)}"
+        )
+    if input_ids.shape[1] < min_len:
+        raise ValueError(
+            f"sample_batch sequences of length {input_ids.shape[1]} are shorter than context_len + "
+            f"block_size_max = {min_len}"
+        )
+    return input_ids
+
+
+@torch.no_grad()
+def _teacher(target: nn.Module, input_ids: torch.Tensor, config: DrafterConfig):
+    """The target's features at the drafter's layers [batch, seq, F] and its logits [batch, seq, vocab]."""
+    out = target(input_ids, output_hidden_states=True)
+    return gather_features(out.hidden_states, config.target_layer_ids), out.logits
+
+
+def _optimizer_step(optimizer, drafter: BlockDrafter, loss: torch.Tensor, lr: float) -> float:
+    """One AdamW step at ``lr`` with the gradient norm clipped to 1; returns the loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+    optimizer.step()
+    return loss.detach().item()
 
 
 def main(argv: list[str] | None = None) -> None:

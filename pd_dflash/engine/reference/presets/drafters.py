@@ -3,10 +3,11 @@ fixed budget, cached next to the preset, with a drafter card (τ at B = 8 and 16
 
 Cache: ``<cache root>/drafters/<preset>-s<seed>-<target code version>-<drafter code version>-n<steps>`` holding
 ``drafter.pt`` (config + the drafter's own weights; the embedding, final norm and LM head are the target's) and
-``card.json``. The drafter code version hashes ``drafter.py``, ``drafter_train.py`` and this module (and the
-torch version), so a code change retrains and a rerun reuses. Training runs under an exclusive ``fcntl`` lock
-(two runners loading the same preset: one trains, the other waits and reuses), single-threaded (bit-identical
-weights whatever the runner's threads), and is published by an atomic rename — the preset cache's rules.
+``card.json``. The drafter code version hashes ``block_drafter.py``, ``presets/drafter_training.py`` and this
+module (and the torch version), so a code change retrains and a rerun reuses. Training runs under an exclusive
+``fcntl`` lock (two runners loading the same preset: one trains, the other waits and reuses), single-threaded
+(bit-identical weights whatever the runner's threads), and is published by an atomic rename — the preset
+cache's rules.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _CODE_FILES = ("block_drafter.py", "presets/drafter_training.py", "presets/draft
 #: Distillation steps per preset (the bounded training budget; ~0.1-0.25 s per step on one shared core).
 DRAFTER_STEPS = {"micro": 200}
 DEFAULT_DRAFTER_STEPS = 300
-#: The recipe (docs/reference-engine.md, Components §4): rollouts of 8-token language prompts continued by 40
+#: The recipe (docs/reference-engine.md, "The block drafter"): rollouts of 8-token language prompts continued by 40
 #: target tokens, batches of 16 × 48 tokens, 8 anchors per sequence; τ measured over 128 held-out 40-token prompts.
 POOL_PROMPTS, POOL_PROMPT_TOKENS, POOL_NEW_TOKENS, BATCH = 2048, 8, 40, 16
 TAU_PROMPTS, TAU_PROMPT_TOKENS = 128, 40

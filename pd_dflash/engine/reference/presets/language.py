@@ -1,7 +1,7 @@
 """The synthetic language the reference presets are trained on, with an exactly known entropy floor.
 
-Random-weight models route and accept meaninglessly (engine-anchors.md §3.4); a tiny target trained on a
-language with structure gives realistic acceptance and skewed, temporally correlated routing. The language:
+Random-weight models route and accept meaninglessly; a tiny target trained on a language with structure gives
+realistic acceptance and skewed, temporally correlated routing. The language:
 
 - ``V = modes × mode_vocab`` tokens; token ``x`` belongs to mode ``x // mode_vocab`` (a "topic": code, prose...).
 - A sequence starts in a uniformly random mode with two uniform tokens of that mode. Each later position

@@ -112,7 +112,7 @@ def _train(preset: Preset, seed: int) -> tuple[torch.nn.Module, dict[str, Any]]:
     config.output_router_logits = preset.router_aux_loss_coef > 0  # adds the load-balancing loss
     torch.manual_seed(seed)
     model = model_class(preset.family)(config)
-    model.set_experts_implementation("grouped_mm")  # fastest on CPU for training (engine-anchors.md §3.3)
+    model.set_experts_implementation("grouped_mm")  # the fastest experts implementation for CPU training
     model.train()
     steps, batch = preset.train_steps, preset.batch
     data = torch.from_numpy(lang.sample(steps * batch, preset.seq_len, seed=[seed, 1]))
