@@ -33,7 +33,7 @@ from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.link import CudaLink, HostLink
 from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts, assemble
 from pd_dflash.engine.reference.models import load_model, make_prompts
-from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
+from pd_dflash.engine.reference.offload import OffloadRuntime
 from pd_dflash.engine.reference.options import ReferenceOptions
 from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
 from pd_dflash.engine.reference.presets.catalog import get_preset
@@ -82,18 +82,14 @@ class ReferenceEngine(Engine):
             seed=self.options.train_seed,
             cache_dir=self.options.cache_dir,
             dtype=self.options.dtype,
+            path=ctx.model.path,
+            device=self.device,
+            storage=self.options.storage_dtype,
+            chat_template=ctx.workload.prompts != "synthetic",
         )
         model = self.loaded.model
         self.compute_dtype = next(model.parameters()).dtype
-        self.storage_dtype = self.options.storage_dtype
-        if self.storage_dtype == "auto":
-            self.storage_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
-                self.compute_dtype
-            ]
-        self.store = install_offload(
-            model, self.loaded.family, self.storage_dtype, pin=self.device.type == "cuda"
-        )
-        model.to(self.device)  # everything but the routed experts, which now live in the host store
+        self.store, self.storage_dtype = self.loaded.store, self.loaded.store.storage
         self.target = TargetModel(model, self.loaded.family, self.device)
         self.top_k = int(model.config.num_experts_per_tok)
         if self.options.drafter == "early_exit" and self.options.early_exit_layers >= self.target.num_layers:

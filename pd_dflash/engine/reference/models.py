@@ -1,5 +1,6 @@
-"""Loading a target model (a trained preset, or a real checkpoint from a local path / the HF cache) and
-making its prompts (the preset's synthetic language, or a prompt file through the checkpoint's tokenizer)."""
+"""Loading a target model (a trained preset, or a real checkpoint streamed from a local path / the HF cache by
+``checkpoints.loader``) and making its prompts (the preset's synthetic language, or a prompt file through the
+checkpoint's tokenizer)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from pd_dflash.engine.reference.families import MoEFamily, family_of
+from pd_dflash.engine.reference.offload import install_offload
 from pd_dflash.engine.reference.presets.catalog import PRESETS, get_preset
 from pd_dflash.engine.reference.presets.language import SyntheticLanguage
 from pd_dflash.engine.reference.presets.training import load_preset
@@ -30,6 +32,8 @@ class LoadedModel:
     language: SyntheticLanguage | None = None
     tokenizer: Any = None
     card: dict[str, Any] = field(default_factory=dict)
+    #: The host expert store (a checkpoint's experts are streamed into it; a preset's are moved into it).
+    store: Any = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -42,9 +46,21 @@ class LoadedModel:
 
 
 def load_model(
-    model_id: str, preset: str | None, *, seed: int, cache_dir: str | None, dtype: str
+    model_id: str,
+    preset: str | None,
+    *,
+    seed: int,
+    cache_dir: str | None,
+    dtype: str,
+    path: str | None = None,
+    device: torch.device | None = None,
+    storage: str = "auto",
+    chat_template: bool = False,
 ) -> LoadedModel:
-    """A preset when ``preset`` is set (or ``model_id`` names one), else a checkpoint, loaded on CPU."""
+    """The target on ``device`` with its routed experts in a host store (pinned on CUDA): a preset when
+    ``preset`` is set (or ``model_id`` names one), its experts moved into the store in ``storage`` ("auto": the
+    compute dtype); else a real checkpoint, streamed (experts stored as the checkpoint stores them)."""
+    device = device or torch.device("cpu")
     name = preset or (model_id if model_id in PRESETS else None)
     if name is not None:
         try:
@@ -54,38 +70,33 @@ def load_model(
         model, card = load_preset(p, seed=seed, cache_dir=cache_dir)
         if dtype not in ("auto", "fp32"):
             model = model.to(DTYPES[dtype])
-        return LoadedModel(model, family_of(model.config), "preset", name, language=p.language, card=card)
-    return load_checkpoint(model_id, dtype=dtype)
+        family = family_of(model.config)
+        if storage == "auto":
+            storage = {v: k for k, v in DTYPES.items()}[next(model.parameters()).dtype]
+        store = install_offload(model, family, storage, pin=device.type == "cuda")
+        model.to(device)  # everything but the routed experts, which now live in the host store
+        return LoadedModel(model, family, "preset", name, language=p.language, card=card, store=store)
+    from pd_dflash.engine.reference.checkpoints.loader import load_checkpoint
 
-
-def load_checkpoint(path_or_id: str, *, dtype: str = "auto") -> LoadedModel:
-    """A real MoE checkpoint, strictly offline (``local_files_only=True``): a directory or an HF cache entry."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(path_or_id, local_files_only=True)
-    except OSError as exc:
-        raise InputError(
-            f"cannot load checkpoint {path_or_id!r} offline: {exc}. Use a local directory or a model already in "
-            "the HF cache, or set models[].preset to a reference preset "
-            f"({', '.join(PRESETS)})",
-            where="models[].id",
-        ) from None
-    try:
-        family = family_of(config)
-    except ValueError as exc:
-        raise InputError(str(exc), where="models[].id") from None
-    torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
-    model = AutoModelForCausalLM.from_pretrained(path_or_id, local_files_only=True, dtype=torch_dtype)
-    tokenizer = None
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path_or_id, local_files_only=True)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None  # prompts must then be synthetic token ids
-    card = {"checkpoint": str(path_or_id), "model_type": config.model_type}
-    return LoadedModel(model.eval(), family, "checkpoint", str(path_or_id), tokenizer=tokenizer, card=card)
+    loaded = load_checkpoint(
+        model_id,
+        path,
+        device=device,
+        dtype=dtype,
+        storage=storage,
+        pin=device.type == "cuda",
+        cache_dir=cache_dir,
+        chat_template=chat_template,
+    )
+    return LoadedModel(
+        loaded.model,
+        loaded.family,
+        "checkpoint",
+        model_id,
+        tokenizer=loaded.tokenizer,
+        card=loaded.card,
+        store=loaded.store,
+    )
 
 
 def make_prompts(loaded: LoadedModel, source: str, n: int, prompt_tokens: int, seed: int) -> list[list[int]]:

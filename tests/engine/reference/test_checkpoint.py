@@ -19,7 +19,10 @@ def save_tokenizer(path, vocab_size):
     vocab["[UNK]"] = vocab_size - 1
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(path))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    # gpt-oss is an instruct target: text prompts go through a chat template, which its tokenizer must have.
+    fast.chat_template = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    fast.save_pretrained(str(path))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
