@@ -1,4 +1,4 @@
-"""The prepared GPU check (``scripts/gpu_check.sh`` runs it; ≤ 8 minutes on a CUDA box). Writes one JSON summary.
+"""The prepared GPU check (``scripts/gpu_check.sh`` runs it; ≤ 12 minutes on a CUDA box). Writes one JSON summary.
 
 Steps, each bounded in time and recorded even when it fails:
 
@@ -8,7 +8,11 @@ Steps, each bounded in time and recorded even when it fails:
 3. ``reference``: the reference engine on a mini preset through its public interface
    (``ReferenceEngine(ctx).run_cell(cell)``): B0 (offloaded) and B3 (resident) at c = 1 and 4 must generate
    identical greedy tokens, and the offloaded cells' measured transfer rate is compared with the probe.
-4. ``gpu_tests``: ``pytest -m gpu`` (junit counts).
+4. ``real_tiny``, ``real_slice``, ``real_target`` (``benchmarks/gpu_real.py``): the tiny real-layout targets
+   on the device (offloaded == resident tokens, MXFP4 dequantised on the device), a real-shaped one-layer slice
+   of each Phase-A target (expert transfer rate ÷ the pinned probe, target ≥ 0.9), and one B0 cell of a real
+   target when its weights are under HF_HOME (skipped with a message otherwise).
+5. ``gpu_tests``: ``pytest -m gpu`` (junit counts).
 
 On a machine without CUDA the CUDA-only parts say "skipped" and the reference step runs on the CPU, which checks
 the script's plumbing. Usage: ``python benchmarks/gpu_check.py --output summary.json [--device auto|cuda|cpu]``.
@@ -277,6 +281,15 @@ def main(argv: list[str] | None = None) -> int:
         ],
         timeout=240,
     )
+    real = str(REPO / "benchmarks" / "gpu_real.py")
+    for step, name, timeout in (
+        ("tiny", "real_tiny", 150),
+        ("slice", "real_slice", 240),
+        ("real", "real_target", 420),
+    ):
+        summary["steps"][name] = _run_json(
+            [sys.executable, real, "--step", step, "--device", device], timeout
+        )
     if not args.skip_tests:
         summary["steps"]["gpu_tests"] = step_gpu_tests(timeout=180)
     summary["device"] = device

@@ -176,7 +176,10 @@ def step_real(device: str) -> dict[str, Any]:
     found = [(t, resolve(t)) for t in REAL_TARGETS]
     present = [(t, r) for t, r in found if r.directory is not None]
     if not present:
-        return {"ok": True, "skipped": f"no real target under HF_HOME ({hub_cache()}): {', '.join(REAL_TARGETS)}"}
+        return {
+            "ok": True,
+            "skipped": f"no real target under HF_HOME ({hub_cache()}): {', '.join(REAL_TARGETS)}",
+        }
     if device != "cuda":
         return {"ok": True, "skipped": "no CUDA device"}
     target, _ = present[0]
@@ -190,7 +193,9 @@ def step_real(device: str) -> dict[str, Any]:
         "ok": all(c["status"] == "OK" for c in cells),
         "target": target,
         "load_seconds": load_seconds,
-        "engine": {k: engine.describe().get(k) for k in ("storage_dtype", "expert_nbytes", "total_expert_bytes")},
+        "engine": {
+            k: engine.describe().get(k) for k in ("storage_dtype", "expert_nbytes", "total_expert_bytes")
+        },
         "cells": cells,
     }
 
