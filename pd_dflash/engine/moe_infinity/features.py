@@ -1,12 +1,14 @@
 """What the installed MoE-Infinity build can express, found by introspection (never by version strings).
 
-MoE-Infinity's serving and speculative-decoding surface moved a lot across its development branches
-(research/upstream-phase-a.md §6.4, §8). The adapter runs a configuration only when the build can express it,
+MoE-Infinity's serving and speculative-decoding surface moved a lot across its development branches (verify
+budgets in the serving scheduler, the per-round speculator seam, persistent speculative sessions; docs/moe-infinity.md).
+The adapter runs a configuration only when the build can express it,
 and otherwise returns a BLOCKED/REFUSED row that names the missing piece; it never substitutes another path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -37,9 +39,9 @@ class Build:
     verify_scheduler: bool
     #: ``DFlashSpeculator`` exposes begin_session / draft_round / verify_round.
     session_seam: bool
-    #: ``ContinuousBatchingEngine`` keeps several speculative sessions in flight (``speculative_sessions``);
-    #: without it a speculative request runs to completion inside one ``step()`` and a multi-request batch
-    #: silently takes the autoregressive path.
+    #: ``ContinuousBatchingEngine`` keeps several speculative sessions in flight (``speculative_sessions``, the
+    #: post-#173 "persistent serving sessions"); without it a speculative request runs to completion inside one
+    #: ``step()`` and a multi-request batch silently takes the autoregressive path.
     persistent_sessions: bool
     #: The route-ahead prefetcher is bound through an overridable hook, so it can be switched off (B1).
     route_ahead_switch: bool
@@ -47,6 +49,14 @@ class Build:
     library_nvtx: bool
     #: The FP4 expert path (``moe_infinity._v4_fp4``) imports (upstream requires it on RTX PRO 6000).
     fp4: bool
+    #: ``ArcherConfig`` has ``kv_cache_memory_ratio``, whose ``__post_init__`` auto-sets 0.15 and cuts
+    #: ``device_memory_ratio`` to fit (so the adapter pins the ratio by setting the KV share explicitly).
+    archer_kv_ratio: bool = False
+
+    @property
+    def serving_generation(self) -> str:
+        """ "post-#173" (persistent speculative sessions: the concurrency sweep works) or "pre-#173" (c = 1 only)."""
+        return "post-#173" if self.persistent_sessions else "pre-#173"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +98,12 @@ def _version(package: ModuleType) -> str | None:
     return None
 
 
+def _archer_fields() -> set[str]:
+    config = _optional("moe_infinity.utils.config")
+    cls = getattr(config, "ArcherConfig", None)
+    return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+
+
 def detect(package: ModuleType) -> Build:
     """Introspect an imported ``moe_infinity`` package (call after the runner applied the spec's env)."""
     scheduler = _optional("moe_infinity.serving.scheduler")
@@ -107,4 +123,5 @@ def detect(package: ModuleType) -> Build:
         and callable(getattr(speculator_cls, ROUTE_AHEAD_SEAM, None)),
         library_nvtx=_has_module("moe_infinity.spec_decode._nvtx"),
         fp4=_has_module("moe_infinity._v4_fp4"),
+        archer_kv_ratio="kv_cache_memory_ratio" in _archer_fields(),
     )

@@ -1,13 +1,14 @@
 """Metric extraction for the MoE-Infinity adapter: native accessors, per-request latencies, acceptance.
 
-Upstream (``_serving_measure.py``, research/upstream-phase-a.md §2) tried a few accessor names and fell back to
-0.0 with a warning. Here a metric without an accessor is *absent*: its value is None, the warning keeps
-upstream's metric name at the start of the string and says it is absent, and the row becomes PARTIAL.
+Upstream's Phase-A harness tried a few accessor names and fell back to 0.0 with a warning. Here a metric without
+an accessor is *absent*: its value is None, the warning keeps upstream's metric name at the start of the string
+and says it is absent, and the row becomes PARTIAL.
 
-Per-request definitions follow vLLM's ``benchmarks/serve.py`` (engine-anchors.md §1.5): TTFT = submit → first
-token; E2E = submit → last token; TPOT = (E2E − TTFT)/(tokens − 1), 0 for a single token; a round (chunk) is a
-serving step in which a request received tokens, and the round latency is the gap between a request's
-consecutive chunks (chunk-level ITL). Pure Python: no torch, no moe_infinity.
+Per-request TTFT, TPOT, E2E and goodput follow the shared rules of ``pd_dflash.engine.request_metrics`` (vLLM's
+``benchmarks/serve.py``): a :class:`RequestTrace` becomes a ``RequestTiming`` from its submission (the request
+is admitted when the client submits it). A round (chunk) is a serving step in which a request received tokens;
+the round latency is the gap between a request's consecutive chunks (chunk-level ITL). Pure Python: no torch, no
+moe_infinity.
 """
 
 from __future__ import annotations
@@ -18,17 +19,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_dflash.schema import LatencyStats
+from pd_dflash.engine.request_metrics import RequestTiming
 
-#: Adapted from upstream's "<metric> fell back to 0.0" strings (§2); the metric name stays first.
+#: Adapted from upstream's "<metric> fell back to 0.0" strings; the metric name stays first.
 ABSENT = {
     "expert_cache_hit_rate": (
-        "expert_cache_hit_rate absent: no native hit-rate accessor on this MoE-Infinity build "
-        "(upstream fell back to 0.0)"
+        "expert_cache_hit_rate absent: no hit-rate accessor on this MoE-Infinity build (upstream fell back to 0.0)"
     ),
     "expert_occupancy_bytes": (
-        "expert_occupancy_bytes absent: no native occupancy accessor on this MoE-Infinity build "
-        "(upstream fell back to 0.0)"
+        "expert_occupancy_bytes absent: no occupancy accessor on this MoE-Infinity build (upstream fell back to 0.0)"
     ),
     "kv_occupancy_bytes": (
         "kv_occupancy_bytes absent: neither the serving KV allocator nor a native accessor reported "
@@ -50,6 +49,17 @@ ABSENT = {
         "predicted (RouteAheadStats observes route-ahead only, which this configuration does not use)"
     ),
     "exposed_fetch_seconds": "exposed_fetch_seconds absent: no get_exposed_fetch_seconds accessor",
+}
+#: The native getters behind MoE-Infinity's Python wrappers (``ExpertPrefetcher.get_hit_rate``,
+#: ``expert_occupancy_bytes()``, ``wasted_prefetch_bytes()`` and the ``OffloadEngine`` properties over them), which
+#: return 0.0 when every native getter is missing or raises: a 0.0 is a reading only when one of these exists.
+NATIVE_GETTERS: dict[str, tuple[tuple[str, str], ...]] = {
+    "expert_cache_hit_rate": (("expert_dispatcher", "get_cache_hit_rate"), ("archer_engine", "get_hit_rate")),
+    "expert_occupancy_bytes": (
+        ("expert_dispatcher", "get_cache_occupancy_bytes"),
+        ("archer_engine", "get_expert_occupancy_bytes"),
+    ),
+    "wasted_prefetch_bytes": (("archer_engine", "get_wasted_prefetch_bytes"),),
 }
 VACUOUS_COVERAGE = (
     "route_ahead_prefetch_coverage is vacuous: 1.0 with no routed expert observed (the route-ahead seam never "
@@ -135,6 +145,34 @@ def exposed_fetch_seconds(engine: Any) -> tuple[float | None, str | None]:
     return read_number([("engine", engine, "get_exposed_fetch_seconds")])
 
 
+def native_getter(engine: Any, metric: str) -> str | None:
+    """The native getter behind the wrapper of ``metric`` (``expert_prefetcher.<holder>.<name>``), or None."""
+    prefetcher = _prefetcher(engine)
+    for holder, name in NATIVE_GETTERS[metric]:
+        if callable(getattr(getattr(prefetcher, holder, None), name, None)):
+            return f"expert_prefetcher.{holder}.{name}"
+    return None
+
+
+def vet_zero(metric: str, value: float | None, getter: str | None, implausible: str | None) -> str | None:
+    """Why a native 0.0 is not a measurement (the metric is then absent), or None when it stands.
+
+    MoE-Infinity's wrappers return 0.0 when the native getter is missing or raises, so a 0.0 counts only when the
+    native getter is proven present (``getter``) and nothing in the cell contradicts it (``implausible``: the
+    evidence against it, e.g. tokens generated through experts the hit rate says were never hit).
+    """
+    if value != 0.0:
+        return None
+    if getter is None:
+        return (
+            f"{metric} absent: MoE-Infinity's accessor returned 0.0 with no native getter behind it (its "
+            "wrappers return 0.0 when the native getter is missing or raises)"
+        )
+    if implausible:
+        return f"{metric} absent: {getter} read 0.0, implausible {implausible}"
+    return None
+
+
 def offloaded_experts(engine: Any) -> int:
     """Upstream's count for the refusal rule: native counters first, then the per-expert byte map."""
     for obj, name in ((engine, "num_offloaded_experts"), (engine, "offloaded_expert_count")):
@@ -183,19 +221,11 @@ class RequestTrace:
     #: (serving step index, time) of each step in which the request received tokens.
     chunks: list[tuple[int, float]] = field(default_factory=list)
 
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.submitted
-
-    @property
-    def e2e(self) -> float | None:
-        return None if self.finished is None else self.finished - self.submitted
-
-    @property
-    def tpot(self) -> float | None:
-        if self.e2e is None or self.ttft is None:
-            return None
-        return (self.e2e - self.ttft) / (self.tokens - 1) if self.tokens > 1 else 0.0
+    def timing(self) -> RequestTiming:
+        """The shared per-request timing (admitted when the client submitted it)."""
+        return RequestTiming(
+            admitted=self.submitted, first_token=self.first_token, finished=self.finished, tokens=self.tokens
+        )
 
     def chunk_gaps(self) -> list[float]:
         times = [t for _, t in self.chunks]
@@ -214,30 +244,6 @@ def observed_max_in_flight(traces: Iterable[RequestTrace]) -> int:
         live += delta
         best = max(best, live)
     return best
-
-
-def meets_slo(trace: RequestTrace, ttft_ms: float | None, tpot_ms: float | None) -> bool:
-    """vLLM's goodput rule: a request counts only if it meets every SLO given."""
-    if ttft_ms is not None and (trace.ttft is None or trace.ttft * 1000.0 > ttft_ms):
-        return False
-    return not (tpot_ms is not None and (trace.tpot is None or trace.tpot * 1000.0 > tpot_ms))
-
-
-def latency_stats(traces: list[RequestTrace], rounds: dict[str, list[float]]) -> dict[str, LatencyStats]:
-    """Distributions for the row's ``latency`` field (per request, and per round where observed)."""
-    samples: dict[str, list[float]] = {
-        "ttft_seconds": [t.ttft for t in traces if t.ttft is not None],
-        "tpot_seconds": [t.tpot for t in traces if t.tpot is not None],
-        "e2e_seconds": [t.e2e for t in traces if t.e2e is not None],
-        "round_seconds": [g for t in traces for g in t.chunk_gaps()],
-        **rounds,
-    }
-    out = {}
-    for name, values in samples.items():
-        stats = LatencyStats.from_samples(values)
-        if stats is not None:
-            out[name] = stats
-    return out
 
 
 def acceptance(committed_per_round: list[int], block_size: int) -> tuple[float | None, dict[int, int] | None]:

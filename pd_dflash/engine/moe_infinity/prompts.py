@@ -1,6 +1,6 @@
 """Prompt token ids for a cell: a fixed natural-language set ("synthetic") or a prompt file.
 
-Upstream ran one fixed prompt for every request (research/upstream-phase-a.md §6.2). Real target/drafter pairs
+Upstream ran one fixed prompt for every request (its per-cell ``measure_configuration``). Real target/drafter pairs
 need natural text for realistic acceptance, so "synthetic" here is a fixed set of technical paragraphs, the
 first one upstream's prompt, tokenized once and cut into deterministic windows of ``prompt_tokens`` tokens
 (request i starts at a seed-dependent offset), so every request differs and every run repeats.

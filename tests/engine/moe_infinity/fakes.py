@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pd_dflash.engine.interface import EngineContext
+from pd_dflash.engine.interface import Engine, EngineContext, Refused
 from pd_dflash.engine.moe_infinity.prompts import SYNTHETIC_TEXTS
+from pd_dflash.schema import EngineResult
 from pd_dflash.spec import Cell, SweepSpec, expand, parse_spec
 
 REPO = Path(__file__).resolve().parents[3]
@@ -53,7 +54,7 @@ def spec_data(tmp_path: Path, tokenizer: Path, **overrides: Any) -> dict[str, An
         "repeats": 1,
         "workload": {"requests": 6, "warmup_rounds": 1, "max_new_tokens": 24, "prompt_tokens": 12},
         "hardware": {"device": "cpu"},
-        "env": {"MOE_ENABLE_SM120": "1", "HF_HUB_OFFLINE": "1"},
+        "env": {"MOE_DISABLE_CUDA_GRAPHS": "1", "HF_HUB_OFFLINE": "1"},
     }
     data.update(overrides)
     return data
@@ -76,14 +77,22 @@ def cell(spec: SweepSpec, baseline: str, block_size: int | None = None, concurre
 
 def import_fake(monkeypatch, disable: tuple[str, ...] = (), faults: tuple[str, ...] = ()):
     """A freshly imported fake package with the given surface, and the adapter's per-process guard cleared."""
-    from pd_dflash.engine.moe_infinity import engine as adapter
+    from pd_dflash.engine.moe_infinity import loading
 
     monkeypatch.setenv("FAKE_MOE_INFINITY_DISABLE", ",".join(disable))
     monkeypatch.setenv("FAKE_MOE_INFINITY_FAULTS", ",".join(faults))
     monkeypatch.syspath_prepend(str(FAKE_ROOT))
     for name in [n for n in sys.modules if n == "moe_infinity" or n.startswith("moe_infinity.")]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(adapter, "_PROCESS_LOAD", None)
+    monkeypatch.setattr(loading, "_PROCESS_LOAD", None)
     module = importlib.import_module("moe_infinity")
     assert module.__fake__ is True
     return module
+
+
+def run(engine: Engine, cell: Cell) -> EngineResult:
+    """``engine.run_cell`` as the runner sees it: a ``Refused`` becomes a result with its status and reason."""
+    try:
+        return engine.run_cell(cell)
+    except Refused as refusal:
+        return EngineResult(status=refusal.status, reason=refusal.reason, engine=engine.describe())

@@ -12,7 +12,7 @@ from pd_dflash.engine.moe_infinity.prompts import UPSTREAM_PROMPT, build_prompts
 from pd_dflash.errors import InputError
 from pd_dflash.schema import Status
 from pd_dflash.spec import Workload
-from tests.engine.moe_infinity.fakes import cell, import_fake, make_spec
+from tests.engine.moe_infinity.fakes import cell, import_fake, make_spec, run
 
 SMALL = {"workload": {"requests": 4, "warmup_rounds": 1, "max_new_tokens": 16, "prompt_tokens": 10}}
 
@@ -74,7 +74,7 @@ def test_cuda_device_is_validated_against_the_spec(monkeypatch, tmp_path, tokeni
         tmp_path, tokenizer_dir, hardware={"compute_capability": [1, 0], "gpu_name": "No Such GPU"}
     )
     engine = MoEInfinityEngine(_cuda_context(wrong))
-    result = engine.run_cell(cell(wrong, "B0", concurrency=1))
+    result = run(engine, cell(wrong, "B0", concurrency=1))
     assert result.status is Status.REFUSED
     assert "device rejected" in result.reason and "compute capability" in result.reason
 
@@ -98,7 +98,7 @@ def test_cuda_rows_carry_the_probe_and_telemetry(monkeypatch, tmp_path, tokenize
     engine = MoEInfinityEngine(_cuda_context(spec))
     probe = engine.describe()["h2d_probe_bytes_per_second"]
     assert probe > 1e9  # any PCIe/NVLink host link moves more than 1 GB/s
-    result = engine.run_cell(cell(spec, "OURS", 8, 1))
+    result = run(engine, cell(spec, "OURS", 8, 1))
     assert result.status is Status.OK, result.warnings
     assert result.cost_terms.measured_h2d_bytes_per_second == probe
     assert result.cost_terms.h2d_bandwidth_source == "probe" and result.cost_terms.h2d_link == "real"

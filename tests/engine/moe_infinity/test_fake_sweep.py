@@ -1,7 +1,9 @@
 """End to end: `pd-dflash run` with ``engine: moe_infinity`` on a local Ray cluster, against the fake package.
 
 This proves the wiring (runner env before import, one model load per runner process, B3's own load, rows that
-say the engine was a fake), not the numbers.
+say the engine was a fake) on a spec of ``jobs/phase_a.yaml``'s shape, and the two things the real library would
+otherwise hide: OURS coverage measured through the sessions' route recorders, and B3 at the ratio MoE-Infinity
+applied. Not the numbers.
 """
 
 from __future__ import annotations
@@ -12,16 +14,19 @@ import os
 import pytest
 import yaml
 
+from pd_dflash.engine.moe_infinity.metrics import VACUOUS_COVERAGE
 from pd_dflash.rows import read_rows
 from pd_dflash.schema import Status
 from pd_dflash.spec import expand, parse_spec
-from tests.engine.moe_infinity.fakes import FAKE_ROOT, spec_data
+from tests.engine.moe_infinity.fakes import FAKE_ROOT, REPO, spec_data
 from tests.sweep.helpers import run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
-def test_local_sweep_with_the_fake_gives_a_full_matrix(tmp_path, tokenizer_dir):
+def _phase_a_shaped(tmp_path, tokenizer_dir) -> dict:
+    """jobs/phase_a.yaml's baselines, block sizes, memory ratios, gates and run-time environment, on the fake model."""
+    phase_a = yaml.safe_load((REPO / "jobs" / "phase_a.yaml").read_text())
     data = spec_data(
         tmp_path,
         tokenizer_dir,
@@ -30,6 +35,13 @@ def test_local_sweep_with_the_fake_gives_a_full_matrix(tmp_path, tokenizer_dir):
         hardware={"device": "cpu", "accelerator_type": "RTX-PRO-6000", "cpus_per_runner": 0},
         local={"fake_gpus": 2, "num_cpus": 2, "object_store_mb": 100},
     )
+    data.update({k: phase_a[k] for k in ("baselines", "block_sizes", "memory", "gates")})
+    data["env"] = {**phase_a["env"], "HF_HOME": str(tmp_path / "hf"), "MOE_DISABLE_CUDA_GRAPHS": "1"}
+    return data
+
+
+def test_local_sweep_with_the_fake_gives_a_full_matrix(tmp_path, tokenizer_dir):
+    data = _phase_a_shaped(tmp_path, tokenizer_dir)
     spec_path, out, records = tmp_path / "spec.yaml", tmp_path / "out", tmp_path / "records"
     spec_path.write_text(yaml.safe_dump(data, sort_keys=False))
     env = {
@@ -47,17 +59,27 @@ def test_local_sweep_with_the_fake_gives_a_full_matrix(tmp_path, tokenizer_dir):
     for row in rows:
         assert row.engine["name"] == "moe_infinity" and row.engine["fake"] is True, row.engine
         assert row.engine["version"] == "0.0.0+fake"
-        if row.baseline == "OURS":
+        if row.baseline == "OURS":  # coverage from the sessions' route recorders, never vacuous
             assert row.status is Status.OK, row.warnings
+            assert row.route_ahead["steps"] > 0 and row.route_ahead["actual_experts"] > 0
+            assert VACUOUS_COVERAGE not in row.warnings
+            assert row.route_ahead_prefetch_coverage == row.route_ahead["coverage"]
         else:  # MoE-Infinity does not expose what its AR prefetcher predicted: coverage absent, never 0.0
             assert row.status is Status.PARTIAL and row.missing_metrics() == ["route_ahead_prefetch_coverage"]
         assert row.engine["observed_max_in_flight"] == row.concurrency
         assert row.engine["load_group"] == ("resident" if row.baseline == "B3" else "shared")
 
-    # One model load per runner process; B3 in its own process at the resident ratio.
+    # One model load per runner process; B3 in its own process at the resident ratio, as MoE-Infinity applied it.
     loads = sorted(records.glob("load-*.json"))
     ratios = sorted(json.loads(p.read_text())["config"]["device_memory_ratio"] for p in loads)
     assert ratios == [0.85, 0.98]
+    applied = {
+        p.name.split("-")[1]: json.loads(p.read_text())["applied"]["device_memory_ratio"] for p in loads
+    }
+    for row in rows:
+        assert row.engine["device_memory_ratio"] == applied[str(row.runner["pid"])]
+        if row.baseline == "B3":
+            assert row.engine["device_memory_ratio"] == data["memory"]["resident_memory_ratio"]
     pids = {p.name.split("-")[1] for p in loads}
     assert len(pids) == 2 and all(p.name.endswith("-1.json") for p in loads)
     assert {str(r.runner["pid"]) for r in rows} == pids
@@ -66,8 +88,11 @@ def test_local_sweep_with_the_fake_gives_a_full_matrix(tmp_path, tokenizer_dir):
     assert {str(i["pid"]) for i in imports} >= pids
     for record in imports:
         if str(record["pid"]) in pids:
-            assert record["environ"]["MOE_ENABLE_SM120"] == "1" and record["environ"]["HF_HUB_OFFLINE"] == "1"
+            assert (
+                record["environ"]["MOE_DISABLE_CUDA_GRAPHS"] == "1"
+                and record["environ"]["HF_HUB_OFFLINE"] == "1"
+            )
 
     matrix = json.loads((out / "result_matrix.json").read_text())
-    assert sorted(matrix) == [f"fake/tiny-moe|B{b}|c{c}" for b in (4, 8) for c in (1, 2)]
+    assert sorted(matrix) == [f"fake/tiny-moe|B{b}|c{c}" for b in (16, 8) for c in (1, 2)]
     assert all(sorted(group) == ["B0", "B1", "B2", "B3", "OURS"] for group in matrix.values())

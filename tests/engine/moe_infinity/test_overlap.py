@@ -1,4 +1,4 @@
-"""`pd-dflash overlap` against CSV fixtures that reproduce upstream's canonical BM4 run (upstream-phase-a.md §7).
+"""`pd-dflash overlap` against CSV fixtures that reproduce upstream's canonical BM4 run (offloaded gpt-oss-20b, B=16).
 
 Canonical figures: 18,180,873,000 H2D bytes over 833 memcpys, 980,204,000 of them overlapped by the compute
 ranges → overlap_fraction 0.053914022720471126; at the probed 57,553,826,518.35307 B/s the overlapped bytes

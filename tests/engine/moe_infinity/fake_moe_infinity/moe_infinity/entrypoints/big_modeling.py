@@ -1,4 +1,11 @@
-"""Fake ``MoE``: validates the load config, sizes the expert cache from ``device_memory_ratio``."""
+"""Fake ``MoE``: the load config through ``ArcherConfig``, an expert cache sized by the ratio it applied.
+
+Mirrors TorchMoE/MoE-Infinity@0690efefe42477164031e6020c986650d9f89e6a ``moe_infinity/entrypoints/big_modeling.py``
+``MoE.__init__``: ``engine_config = ArcherConfig.load_from_json(config)`` (so the ratio arithmetic of
+``ArcherConfig.__post_init__`` applies before anything is sized) and ``self.engine_config = engine_config``.
+Whether experts are offloaded follows ``_gpt_oss_offload_enabled`` (TorchMoE/MoE-Infinity@0690efef...
+``moe_infinity/runtime/model_offload.py``): offload only below a device ratio of 0.9, judged on the APPLIED ratio.
+"""
 
 from __future__ import annotations
 
@@ -20,10 +27,11 @@ from moe_infinity._world import (
     route,
 )
 from moe_infinity.runtime import OffloadEngine
+from moe_infinity.utils import ArcherConfig
 
-#: MoE-Infinity's native engine keeps process-global state: a second load in one process fails (§9.8).
+#: MoE-Infinity's native engine keeps process-global state: a second load in one process fails.
 _NATIVE = {"loads": 0}
-#: At or above this ratio every expert fits on the "device" (upstream: gpt-oss offloads only below 0.9).
+#: ``_GPT_OSS_RESIDENT_RATIO``: at or above this applied ratio every expert stays on the device.
 RESIDENT_RATIO = 0.9
 #: The smallest cache: one top-2 set per layer.
 TOP_K_CAPACITY = 2 * LAYERS
@@ -54,29 +62,36 @@ class FakeModel:
         forward_pause()
 
 
+def _capacity(applied_ratio: float) -> int:
+    total = LAYERS * EXPERTS
+    if "offload" not in FEATURES or (applied_ratio >= RESIDENT_RATIO and "resident_fit" in FEATURES):
+        return total
+    return max(TOP_K_CAPACITY, int(total * applied_ratio * 0.5))
+
+
 class MoE:
     def __init__(self, model_name_or_path: str, config: dict) -> None:
         if not isinstance(config, dict) or "offload_path" not in config:
             raise ValueError("config needs offload_path")
-        ratio = float(config.get("device_memory_ratio", 0.9))
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"device_memory_ratio must lie in [0, 1], got {ratio}")
         if _NATIVE["loads"]:
             raise RuntimeError("fake native engine: process-global state does not survive a second load")
+        engine_config = ArcherConfig.load_from_json(dict(config))
         _NATIVE["loads"] += 1
         Path(config["offload_path"]).mkdir(parents=True, exist_ok=True)
-        total = LAYERS * EXPERTS
-        if "offload" not in FEATURES or (ratio >= RESIDENT_RATIO and "resident_fit" in FEATURES):
-            capacity = total
-        else:
-            capacity = max(TOP_K_CAPACITY, int(total * ratio * 0.5))
-        self.engine = OffloadEngine(capacity)
+        self.engine = OffloadEngine(_capacity(engine_config.device_memory_ratio))
         self.model = FakeModel(self.engine)
-        self.engine_config = SimpleNamespace(
-            speculative_prefetch=bool(config.get("speculative_prefetch", False)), **config
-        )
-        record("MoE", model=model_name_or_path, config=dict(config), pid=os.getpid())
+        self.engine_config = engine_config
+        applied = {
+            "device_memory_ratio": engine_config.device_memory_ratio,
+            "kv_cache_memory_ratio": getattr(engine_config, "kv_cache_memory_ratio", None),
+        }
+        record("MoE", model=model_name_or_path, config=dict(config), applied=applied, pid=os.getpid())
         write_record(
             f"load-{os.getpid()}-{_NATIVE['loads']}.json",
-            {"model": model_name_or_path, "config": config, "fake": moe_infinity.__fake__},
+            {
+                "model": model_name_or_path,
+                "config": config,
+                "applied": applied,
+                "fake": moe_infinity.__fake__,
+            },
         )

@@ -1,9 +1,23 @@
-"""Fake ``ContinuousBatchingEngine``: the documented add_request / step / run_until_done surface.
+"""Fake ``ContinuousBatchingEngine``: the add_request / step surface and its three speculative paths.
 
-Paths, as in MoE-Infinity: without a speculator, batched autoregressive prefill + decode; with a speculator,
-verify budgets and the session seam, persistent speculative sessions (draft every live session, admit verifies
-through the 2-D scheduler, verify the admitted ones); otherwise a fresh singleton request runs to completion in
-one step through ``speculator.generate`` and a multi-request batch silently decodes autoregressively.
+Mirrors ``moe_infinity/serving/engine.py`` of TorchMoE/MoE-Infinity@0bfebf51a126613ca73e45426e9952b29ea46c51:
+
+- post-#173 (persistent serving sessions, ``speculative_sessions``): with verify budgets and the session seam a
+  ``SpecSessionDriver`` exists (``spec_session_driver.py`` @56fe90777f0c8b66af23f5ae84f06edc0b3893e1:
+  ``SpecSessionDriver.begin`` passes ``collect_route_union=True``); each step drafts every live session,
+  registers its demand, verifies the sessions the 2-D scheduler admits (``_prepare_speculative_rounds`` /
+  ``_verify_speculative_rounds``) and begins sessions for newly admitted requests
+  (``_begin_persistent_speculative``); commits call ``update_after_step(new_decode_seq_ids=[])``
+  (``_publish_speculative_commit``), so the paged KV of a speculative sequence holds its prompt only while its
+  target KV lives in the session's private cache;
+- pre-#173 (no ``speculative_sessions``), and post-#173 without a driver: a fresh singleton request runs to
+  completion inside one step, through ``_step_speculative_session`` (also ``collect_route_union=True``) when verify
+  budgets and the seam exist, else through ``speculator.generate``; a multi-request batch decodes
+  autoregressively (``_can_delegate_speculative`` needs a single-sequence batch);
+- a standard step runs the batch once through ``model_runner.execute``; with the ``standard_step_reexecutes``
+  fault it runs it three times, as ``step()`` does in that commit (``_execute_batch``, ``_execute_and_commit``,
+  then ``_step_standard``'s own ``_execute_batch``); EfficientMoE/MoE-Infinity@079de9514a068cb38f6372139c85b1be37732d38
+  runs it once.
 """
 
 from __future__ import annotations
@@ -24,6 +38,7 @@ _BUDGETS = (
     "verify_token_deficit_cap",
     "verify_expert_byte_deficit_cap",
 )
+_SEAM = ("begin_session", "draft_round", "verify_round")
 
 
 @dataclass
@@ -34,6 +49,20 @@ class RequestOutput:
     token_text: str | None
     finished: bool
     finish_reason: str | None = None
+
+
+@dataclass
+class BatchMetadata:
+    seq_ids: list[int]
+    tokens: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def execute(self, batch: BatchMetadata) -> None:
+        self.model.forward_tokens(batch.tokens)
 
 
 @dataclass
@@ -59,29 +88,28 @@ class ContinuousBatchingEngine:
         self.speculative_draft = speculative_draft
         eos = config.get("eos_token_id")
         self.eos_token_id = eos if isinstance(eos, int) else model.config.eos_token_id
-        num_blocks = config.get("num_kv_blocks") or 256
-        self.kv_cache = PagedKVCache(int(num_blocks), int(config["block_size"]))
+        self.kv_cache = PagedKVCache(int(config.get("num_kv_blocks") or 256), int(config["block_size"]))
         if "kv_allocator" not in FEATURES:
             del self.kv_cache.block_allocator
-        budgets = {k: config[k] for k in _BUDGETS if k in config}
-        kwargs = budgets if "verify_scheduler" in FEATURES else {}
+        budgets = {k: config[k] for k in _BUDGETS if k in config} if "verify_scheduler" in FEATURES else {}
         self.scheduler = Scheduler(
             self.kv_cache,
             int(config.get("max_batch_size", 32)),
             int(config.get("max_tokens_per_step", 2048)),
-            **kwargs,
+            **budgets,
         )
-        enabled = getattr(self.scheduler, "verify_scheduling_enabled", False)
-        seam = all(
-            callable(getattr(speculative_draft, n, None))
-            for n in ("begin_session", "draft_round", "verify_round")
+        self.model_runner = ModelRunner(model)
+        rounds = (
+            speculative_draft is not None
+            and self.scheduler.verify_scheduling_enabled
+            and all(callable(getattr(speculative_draft, n, None)) for n in _SEAM)
         )
-        self._persistent = bool(speculative_draft) and enabled and seam and "persistent_sessions" in FEATURES
-        self._session_whole = bool(speculative_draft) and enabled and seam and not self._persistent
+        self._driver = rounds and "persistent_sessions" in FEATURES
+        self._session_whole = rounds and not self._driver
         self._sequences: dict[int, _Sequence] = {}
         self._waiting: list[int] = []
         self._next = 0
-        self.stats = {"max_in_flight": 0, "steps": 0, "config": dict(config), "persistent": self._persistent}
+        self.stats = {"max_in_flight": 0, "steps": 0, "config": dict(config), "persistent": self._driver}
         ENGINE_STATS.append(self.stats)
         record("ContinuousBatchingEngine", config=dict(config), speculative=speculative_draft is not None)
 
@@ -107,7 +135,8 @@ class ContinuousBatchingEngine:
 
     @property
     def speculative_sessions(self) -> dict[int, Any]:
-        return {s.seq_id: s.session for s in self._sequences.values() if s.session and s.status == "DRAFT"}
+        """Live persistent sessions, keyed by sequence id (empty without a session driver)."""
+        return {s.seq_id: s.session for s in self._live("DRAFT")} if self._driver else {}
 
     def get_stats(self) -> dict[str, Any]:
         return {"num_steps": self.stats["steps"], "max_in_flight": self.stats["max_in_flight"]}
@@ -118,47 +147,19 @@ class ContinuousBatchingEngine:
     # -- one step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.stats["steps"] += 1
-        outputs: list[RequestOutput] = []
-        spec = self.speculative_draft
-        if self._persistent:
-            for seq in self._live("DRAFT"):
-                if seq.session.pending is None:
-                    draft = spec.draft_round(seq.session)
-                    self.scheduler.set_verify_demand(seq.seq_id, draft.tokens, draft.expert_bytes)
-            for seq_id in self.scheduler.admit_verifies():
-                seq = self._sequences[seq_id]
-                before = len(seq.session.emitted)
-                spec.verify_round(seq.session)
-                self.scheduler.clear_verify_demand(seq_id)
-                outputs += self._emit(seq, seq.session.emitted[before:], seq.session.finished)
-        admitted = self._admit()
-        in_flight = len(self._live("DECODE", "DRAFT")) + len(admitted)
-        self.stats["max_in_flight"] = max(self.stats["max_in_flight"], in_flight)
+        outputs = self._speculative_rounds() if self._driver else []
         decoding = self._live("DECODE")
-        speculative = spec is not None and "ar_fallback" not in FAULTS
-        if admitted and speculative and self._persistent:
+        admitted = self._admit()
+        self.stats["max_in_flight"] = max(self.stats["max_in_flight"], len(self._live("DECODE", "DRAFT")))
+        speculative = self.speculative_draft is not None and "ar_fallback" not in FAULTS
+        if admitted and speculative and self._driver:
             for seq in admitted:
-                seq.session = spec.begin_session(
-                    seq.prompt,
-                    max_new_tokens=seq.params.max_tokens,
-                    stop_token_ids=[self.eos_token_id],
-                    collect_route_union=True,
-                )
-                seq.status = "DRAFT"
-                outputs += self._emit(seq, seq.session.emitted, seq.session.finished)
-        elif admitted and speculative and len(admitted) == 1:
-            outputs += self._whole_request(admitted[0])
-        elif admitted:
-            self.model.forward_tokens([t for seq in admitted for t in seq.prompt])
-            for seq in admitted:
-                seq.status = "DECODE"
-                outputs += self._emit(seq, [next_token(seq.prompt)], seq.params.max_tokens <= 1)
-        if decoding:
-            self.model.forward_tokens([seq.output[-1] for seq in decoding])
-            for seq in decoding:
-                token = next_token(seq.prompt + seq.output)
-                done = token == self.eos_token_id or len(seq.output) + 1 >= seq.params.max_tokens
-                outputs += self._emit(seq, [token], done)
+                outputs += self._begin_persistent(seq)
+            admitted = []
+        elif admitted and speculative and len(admitted) == 1 and not decoding:
+            return outputs + self._whole_request(admitted[0])
+        if admitted or decoding:
+            outputs += self._step_standard(admitted + decoding)
         return outputs
 
     def _live(self, *statuses: str) -> list[_Sequence]:
@@ -166,26 +167,84 @@ class ContinuousBatchingEngine:
 
     def _admit(self) -> list[_Sequence]:
         admitted = []
-        while (
-            self._waiting
-            and len(self._live("DECODE", "DRAFT")) + len(admitted) < self.scheduler.max_batch_size
-        ):
+        while self._waiting and len(self._live("DECODE", "DRAFT", "PREFILL")) < self.scheduler.max_batch_size:
             seq = self._sequences[self._waiting.pop(0)]
-            self.kv_cache.ensure(seq.seq_id, len(seq.prompt))
+            self.kv_cache.allocate_sequence(seq.seq_id, num_tokens=len(seq.prompt))
+            seq.status = "PREFILL"
             admitted.append(seq)
         return admitted
+
+    def _step_standard(self, batch: list[_Sequence]) -> list[RequestOutput]:
+        tokens = [t for s in batch for t in (s.prompt if s.status == "PREFILL" else s.output[-1:])]
+        rows = BatchMetadata([s.seq_id for s in batch], tokens)
+        for _ in range(3 if "standard_step_reexecutes" in FAULTS else 1):
+            self.model_runner.execute(rows)
+        outputs, completed, decode = [], [], []
+        for seq in batch:
+            token = next_token(seq.prompt + seq.output)
+            done = token == self.eos_token_id or len(seq.output) + 1 >= seq.params.max_tokens
+            seq.status = "DECODE"
+            (completed if done else decode).append(seq.seq_id)
+            outputs += self._emit(seq, [token], done)
+        self.scheduler.update_after_step(completed_seq_ids=completed, new_decode_seq_ids=decode)
+        return outputs
+
+    # -- speculative paths ----------------------------------------------------------------------------------
+    def _begin_persistent(self, seq: _Sequence) -> list[RequestOutput]:
+        seq.session = self.speculative_draft.begin_session(
+            [seq.prompt],
+            max_new_tokens=seq.params.max_tokens,
+            temperature=seq.params.temperature,
+            stop_token_ids=[self.eos_token_id],
+            top_k=seq.params.top_k,
+            top_p=seq.params.top_p,
+            generator=None,
+            collect_route_union=True,
+        )
+        seq.status = "DRAFT"
+        return self._publish(seq, seq.session.emitted)
+
+    def _speculative_rounds(self) -> list[RequestOutput]:
+        spec, outputs = self.speculative_draft, []
+        for seq in self._live("DRAFT"):
+            if seq.session.pending is None:
+                draft = spec.draft_round(seq.session)
+                self.scheduler.set_verify_demand(seq.seq_id, draft.tokens, draft.expert_bytes)
+        for seq_id in self.scheduler.admit_verifies():
+            seq = self._sequences[seq_id]
+            before = len(seq.session.emitted)
+            spec.verify_round(seq.session)
+            self.scheduler.clear_verify_demand(seq_id)
+            outputs += self._publish(seq, seq.session.emitted[before:])
+        return outputs
+
+    def _publish(self, seq: _Sequence, tokens: list[int]) -> list[RequestOutput]:
+        finished = seq.session.finished
+        outputs = self._emit(seq, tokens, finished)
+        self.scheduler.update_after_step(
+            completed_seq_ids=[seq.seq_id] if finished else [], new_decode_seq_ids=[]
+        )
+        if finished:
+            seq.session.target_kv.crop(0)  # the driver releases the session's private caches
+        return outputs
 
     def _whole_request(self, seq: _Sequence) -> list[RequestOutput]:
         spec = self.speculative_draft
         if self._session_whole:
             session = spec.begin_session(
-                seq.prompt, max_new_tokens=seq.params.max_tokens, stop_token_ids=[self.eos_token_id]
+                [seq.prompt],
+                max_new_tokens=seq.params.max_tokens,
+                stop_token_ids=[self.eos_token_id],
+                collect_route_union=True,
             )
             while not session.finished:
                 draft = spec.draft_round(session)
                 self.scheduler.set_verify_demand(seq.seq_id, draft.tokens, draft.expert_bytes)
-                while seq.seq_id not in self.scheduler.admit_verifies():
-                    pass
+                for _ in range(1024):
+                    if seq.seq_id in self.scheduler.admit_verifies():
+                        break
+                else:
+                    raise RuntimeError(f"verify round for seq_id {seq.seq_id} was never admitted")
                 spec.verify_round(session)
                 self.scheduler.clear_verify_demand(seq.seq_id)
             tokens = session.emitted
@@ -194,7 +253,9 @@ class ContinuousBatchingEngine:
                 [seq.prompt], max_new_tokens=seq.params.max_tokens, stop_token_ids=[self.eos_token_id]
             )
             tokens = generated[0][len(seq.prompt) :]
-        return self._emit(seq, tokens, True)
+        outputs = self._emit(seq, tokens, True)
+        self.scheduler.update_after_step(completed_seq_ids=[seq.seq_id], new_decode_seq_ids=[])
+        return outputs
 
     def _emit(self, seq: _Sequence, tokens: list[int], finished: bool) -> list[RequestOutput]:
         outputs = []
@@ -204,11 +265,8 @@ class ContinuousBatchingEngine:
             outputs.append(
                 RequestOutput(seq.request_id, seq.seq_id, token, None, last, "length" if last else None)
             )
-        if tokens:
-            self.kv_cache.ensure(seq.seq_id, len(seq.prompt) + len(seq.output))
         if finished:
             seq.status = "FINISHED"
-            self.kv_cache.free_sequence(seq.seq_id)
         for output in outputs:
             if seq.callback is not None:
                 seq.callback(output)
@@ -218,4 +276,4 @@ class ContinuousBatchingEngine:
 if "persistent_sessions" not in FEATURES:
     del ContinuousBatchingEngine.speculative_sessions
 
-__all__ = ["ContinuousBatchingEngine", "RequestOutput"]
+__all__ = ["ContinuousBatchingEngine", "ModelRunner", "RequestOutput"]

@@ -1,4 +1,12 @@
-"""Fake serving ``Scheduler`` with the documented 2-D verify admission, and a paged KV block allocator."""
+"""Fake serving ``Scheduler`` (2-D verify admission) and ``PagedKVCache`` with the real KV bookkeeping.
+
+Mirrors TorchMoE/MoE-Infinity@0690efefe42477164031e6020c986650d9f89e6a ``moe_infinity/serving/scheduler.py``:
+``admit_verify_demands`` (seat in-flight demands, admit the others while tokens and bytes both fit budget +
+carried, carried = clamp(pool, 0, cap), and a cap below the largest demand raises); admission allocates a
+sequence's prompt blocks (``allocate_sequence(num_tokens=prompt_length)``); ``update_after_step`` appends KV only
+for ``new_decode_seq_ids`` and frees completed sequences. A speculative commit passes ``new_decode_seq_ids=[]``,
+so the paged cache of a speculative sequence holds its prompt blocks only.
+"""
 
 from __future__ import annotations
 
@@ -33,21 +41,27 @@ class PagedKVCache:
         self._allocator = BlockAllocator(num_blocks)
         self.block_allocator = self._allocator
         self._tables: dict[int, list[int]] = {}
+        self._tokens: dict[int, int] = {}
 
-    def ensure(self, seq_id: int, num_tokens: int) -> None:
-        table = self._tables.setdefault(seq_id, [])
-        missing = math.ceil(num_tokens / self.block_size) - len(table)
+    def allocate_sequence(self, seq_id: int, num_tokens: int) -> None:
+        self._tables[seq_id] = []
+        self._tokens[seq_id] = 0
+        self.append_tokens(seq_id, num_tokens)
+
+    def append_tokens(self, seq_id: int, num_new_tokens: int = 1) -> None:
+        if seq_id not in self._tables:
+            raise KeyError(seq_id)
+        self._tokens[seq_id] += num_new_tokens
+        missing = math.ceil(self._tokens[seq_id] / self.block_size) - len(self._tables[seq_id])
         if missing > 0:
-            table.extend(self._allocator.allocate(missing))
+            self._tables[seq_id].extend(self._allocator.allocate(missing))
 
     def free_sequence(self, seq_id: int) -> None:
         self._allocator.free(self._tables.pop(seq_id, []))
+        self._tokens.pop(seq_id, None)
 
 
 class Scheduler:
-    """Admission of pending verify rounds (upstream ``admit_verify_demands``): seat in-flight demands, then
-    admit the others while tokens and bytes both fit budget + carried; carried = clamp(pool, 0, cap)."""
-
     def __init__(
         self,
         kv_cache: PagedKVCache,
@@ -103,9 +117,22 @@ class Scheduler:
         self.carried = (min(max(0, pool[0]), self.cap[0]), min(max(0, pool[1]), self.cap[1]))
         return admitted
 
+    def update_after_step(
+        self,
+        completed_seq_ids: list[int],
+        new_decode_seq_ids: list[int],
+        committed_counts: dict | None = None,
+    ) -> None:
+        completed = set(completed_seq_ids)
+        for seq_id in dict.fromkeys(new_decode_seq_ids):
+            if seq_id not in completed:
+                self.kv_cache.append_tokens(seq_id, (committed_counts or {}).get(seq_id, 1))
+        for seq_id in completed:
+            self.kv_cache.free_sequence(seq_id)
+
 
 class LegacyScheduler(Scheduler):
-    """The scheduler before PR #165: no verify budgets in its signature."""
+    """The scheduler before the 2-D verify budgets: none in its signature."""
 
     def __init__(self, kv_cache: PagedKVCache, max_batch_size: int = 32, max_tokens_per_step: int = 2048):
         super().__init__(kv_cache, max_batch_size, max_tokens_per_step)
