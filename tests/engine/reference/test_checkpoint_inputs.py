@@ -109,3 +109,17 @@ def test_instruct_target_needs_a_chat_template(copy_of):
     check_checkpoint(ckpt)  # token-id prompts need no template
     with pytest.raises(InputError, match=r"tokenizer_config\.json: no chat_template"):
         check_checkpoint(ckpt, chat_template_for="tiny-real-gpt-oss")
+
+
+def test_engine_load_names_the_bad_file_and_tensor(copy_of):
+    """What a runner reports (its load failure becomes ERROR rows with this reason) for a checkpoint that only
+    the box has, so plan could not check it."""
+    from tests.engine.reference.test_engine import make_engine, make_spec
+
+    ckpt = copy_of("tiny-real-gpt-oss")
+    drop_tensor(ckpt, "model.layers.0.mlp.experts.gate_up_proj_scales")
+    with pytest.raises(InputError) as err:
+        make_engine(make_spec(model={"id": "openai/gpt-oss-20b", "path": str(ckpt)}))
+    message = str(err.value)
+    assert str(ckpt) in message and "'model.layers.0.mlp.experts.gate_up_proj_scales'" in message
+    assert "Traceback" not in message and len(message) < 400
