@@ -16,7 +16,9 @@ from pd_dflash.spec import expand, parse_spec
 from tests.conftest import REPO
 from tests.sweep.helpers import run_cli, stored_rows, write_spec
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the reference engine needs torch")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="the reference engine needs torch"
+)
 
 
 def shipped(name: str) -> dict:
@@ -35,7 +37,9 @@ def test_tiny_real_spec_runs_every_cell_of_both_targets(tmp_path):
     proc = run_cli("run", str(path), "--out", str(out), "--no-progress", timeout=900)
     rows = stored_rows(out)
     spec = parse_spec(data)
-    assert sorted(r.cell_id for r in rows) == sorted(c.cell_id for c in expand(spec)), proc.stdout + proc.stderr
+    assert sorted(r.cell_id for r in rows) == sorted(c.cell_id for c in expand(spec)), (
+        proc.stdout + proc.stderr
+    )
     for row in rows:
         assert row.status == Status.OK, (row.model, row.baseline, row.concurrency, row.reason, row.warnings)
     assert {r.model for r in rows} == {"tiny-real-qwen3-moe", "tiny-real-gpt-oss"}
