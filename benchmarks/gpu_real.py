@@ -97,7 +97,7 @@ def step_tiny(device: str) -> dict[str, Any]:
             "store_pinned": all(t.is_pinned() for t in first) if device == "cuda" else None,
         }
         if store.storage == "mxfp4":  # dequantise one expert on the device: the device tensors come back
-            slot = [t[0].to(engine.device) for t in first]
+            slot = [t.to(engine.device) for t in store.payload(store.layer_ids[0], 0)]
             weights = store.dequantize(slot, engine.compute_dtype)
             facts["dequantised_on"] = sorted({str(w.device) for w in weights})
         cells = _cells(engine, spec)
@@ -154,7 +154,7 @@ def step_slice(device: str) -> dict[str, Any]:
             "transfer_over_probe": max(rates) / probe,
         }
         if store.storage == "mxfp4":
-            slot = [t[0].to(dev) for t in store.parts[store.layer_ids[0]]]
+            slot = [t.to(dev) for t in store.payload(store.layer_ids[0], 0)]
             store.dequantize(slot, compute)
             torch.cuda.synchronize(dev)
             start = time.perf_counter()

@@ -49,7 +49,7 @@ GPT_OSS_20B = {
 def meta_store(config) -> CheckpointExpertStore:
     layout = expert_layout(config)
     parts = allocate_parts(layout, device="meta")
-    assert all(t.is_meta for ts in parts.values() for t in ts)
+    assert all(t.is_meta for t in parts.values())
     return CheckpointExpertStore(layout, parts)
 
 

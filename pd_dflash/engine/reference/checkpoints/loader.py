@@ -10,7 +10,7 @@ device in the compute dtype. Peak host memory is the store plus one non-expert t
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from pd_dflash.engine.reference.checkpoints.store import (
     CheckpointExpertStore,
     allocate_layer,
     host_empty,
+    part_views,
 )
 from pd_dflash.engine.reference.families import MoEFamily, family_of
 from pd_dflash.engine.reference.offload import OffloadedExperts
@@ -145,15 +146,26 @@ def build_skeleton(checked: CheckedCheckpoint, compute: torch.dtype) -> tuple[nn
 
 
 def _expert_reads(checked: CheckedCheckpoint) -> list[_Read]:
-    reads = []
-    for layer in checked.layout.moe_layers:
-        for src in checked.layout.sources(layer):
+    """Each expert tensor of the checkpoint into its part's view in the expert's byte row (an ``[E, ...]``
+    tensor: one read per expert, consecutive in the file)."""
+    layout, reads = checked.layout, []
+    for layer in layout.moe_layers:
+        for src in layout.sources(layer):
+            entry = checked.files.tensors[src.tensor]
+            nbytes = layout.parts[src.part].nbytes
+            experts = [src.expert] if src.expert is not None else range(layout.num_experts)
+            for e in experts:
+                if src.expert is None:
+                    start = entry.start + e * nbytes
+                    sub = replace(entry, shape=layout.parts[src.part].shape, start=start, end=start + nbytes)
+                else:
+                    sub = entry
 
-            def place(parts, src=src):
-                dest = parts[src.part]
-                return dest if src.expert is None else dest[src.expert, src.row0 : src.row0 + src.shape[0]]
+                def place(layer_bytes, e=e, src=src):
+                    part = part_views(layout, layer_bytes[e])[src.part]
+                    return part if src.expert is None else part[src.row0 : src.row0 + src.shape[0]]
 
-            reads.append(_Read(checked.files.tensors[src.tensor], ("layer", layer), place))
+                reads.append(_Read(sub, ("layer", layer), place))
     return reads
 
 

@@ -1,8 +1,10 @@
 """The host store of a checkpoint's experts, filled by streaming the safetensors files into it.
 
-Parts are allocated once per MoE layer as ``[E, ...]`` tensors in the dtype the checkpoint stores (pinned on
-CUDA, on ``meta`` for byte accounting without memory) and filled in place by the loader; nothing is converted
-on the host. MXFP4 parts stay MXFP4 in the store and on the link and are dequantised on the device at use.
+Each MoE layer is one ``[E, expert_nbytes]`` byte tensor (pinned on CUDA; on ``meta`` for byte accounting
+without memory): expert e's parts (``ExpertLayout.parts``: bf16 weights, or MXFP4 blocks + scales + biases) lie
+back to back in row e, exactly as many bytes as the checkpoint stores, so one expert is ONE host→device copy.
+The loader reads the files straight into the parts' views; nothing is converted on the host. On the device a
+slot's bytes are viewed as the parts again and dequantised there (MXFP4 → the compute dtype; bf16 → as is).
 """
 
 from __future__ import annotations
@@ -33,51 +35,58 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool = False)
 
 def allocate_layer(
     layout: ExpertLayout, *, pin: bool = False, device: str | torch.device = "cpu"
-) -> list[torch.Tensor]:
-    """Empty ``[E, ...]`` parts of one MoE layer (``device='meta'`` allocates nothing)."""
-    shapes = [((layout.num_experts, *p.shape), TORCH_DTYPES[p.dtype]) for p in layout.parts]
+) -> torch.Tensor:
+    """One MoE layer's empty ``[E, expert_nbytes]`` bytes (``device='meta'`` allocates nothing)."""
+    shape = (layout.num_experts, layout.expert_nbytes)
     if torch.device(device).type == "meta":
-        return [torch.empty(s, dtype=dt, device="meta") for s, dt in shapes]
-    return [host_empty(s, dt, pin=pin) for s, dt in shapes]
+        return torch.empty(shape, dtype=torch.uint8, device="meta")
+    return host_empty(shape, torch.uint8, pin=pin)
 
 
 def allocate_parts(
     layout: ExpertLayout, *, pin: bool = False, device: str | torch.device = "cpu"
-) -> dict[int, list[torch.Tensor]]:
-    """Empty parts for every MoE layer."""
+) -> dict[int, torch.Tensor]:
+    """Every MoE layer's empty bytes."""
     return {layer: allocate_layer(layout, pin=pin, device=device) for layer in layout.moe_layers}
 
 
-class CheckpointExpertStore(HostExpertStore):
-    """A :class:`HostExpertStore` over parts stored exactly as in the checkpoint (``storage``: bf16, fp16, fp32
-    or mxfp4); expert bytes are counted from those parts."""
+def part_views(layout: ExpertLayout, row: torch.Tensor) -> list[torch.Tensor]:
+    """One expert's bytes (``[expert_nbytes]`` uint8, host or device) as its parts, in their dtypes and shapes."""
+    out, offset = [], 0
+    for p in layout.parts:
+        chunk = row[offset : offset + p.nbytes]
+        out.append(chunk.view(TORCH_DTYPES[p.dtype]).view(p.shape))
+        offset += p.nbytes
+    return out
 
-    def __init__(self, layout: ExpertLayout, parts: dict[int, list[torch.Tensor]]) -> None:
-        if not parts:
+
+class CheckpointExpertStore(HostExpertStore):
+    """A :class:`HostExpertStore` over experts stored exactly as in the checkpoint (``storage``: bf16, fp16,
+    fp32 or mxfp4), one byte row per expert; expert bytes are the parts' bytes, nothing added."""
+
+    def __init__(self, layout: ExpertLayout, layers: dict[int, torch.Tensor]) -> None:
+        if not layers:
             raise ValueError("the model has no MoE layer to offload")
+        offset = 0
+        for p in layout.parts:  # every part must start aligned for its dtype (no padding is added)
+            if offset % torch.empty((), dtype=TORCH_DTYPES[p.dtype]).element_size():
+                raise ValueError(f"part {p.name} would start at byte {offset}, misaligned for {p.dtype}")
+            offset += p.nbytes
         self.storage = layout.storage
         self.layout = layout
-        self.parts = parts
-        self.scales = {layer: [None] * len(p) for layer, p in parts.items()}
-        self.layer_ids = tuple(sorted(parts))
+        self.parts = {layer: [t] for layer, t in layers.items()}
+        self.scales = {layer: [None] for layer in layers}
+        self.layer_ids = tuple(sorted(layers))
         self.num_experts = layout.num_experts
-        self.spec = [(tuple(p.shape), TORCH_DTYPES[p.dtype]) for p in layout.parts]
-        for layer in self.layer_ids:
-            got = [(tuple(t.shape[1:]), t.dtype) for t in parts[layer]]
-            if got != self.spec or any(t.shape[0] != self.num_experts for t in parts[layer]):
-                raise ValueError(f"MoE layer {layer}: parts {got} do not match the layout {self.spec}")
-        self.expert_nbytes = sum(
-            _numel(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in self.spec
-        )
+        self.expert_nbytes = layout.expert_nbytes
+        self.spec = [((self.expert_nbytes,), torch.uint8)]
+        for layer, t in layers.items():
+            if tuple(t.shape) != (self.num_experts, self.expert_nbytes) or t.dtype != torch.uint8:
+                raise ValueError(f"MoE layer {layer}: {tuple(t.shape)} {t.dtype} is not the layout's bytes")
 
     def dequantize(self, slot: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        """The expert's compute tensors from its slot (on the device where it is computed)."""
+        parts = part_views(self.layout, slot[0])
         if self.storage == "mxfp4":
-            return mxfp4.expert_weights(slot, dtype)
-        return [p if p.dtype == dtype else p.to(dtype) for p in slot]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+            return mxfp4.expert_weights(parts, dtype)
+        return [p if p.dtype == dtype else p.to(dtype) for p in parts]
