@@ -194,12 +194,22 @@ def _parameter_reads(
 
 
 def _allocate(key: tuple, checked: CheckedCheckpoint, pin: bool):
-    """(bytes, allocate) of the buffer ``key``: a layer's store parts (pinned on CUDA) or a tensor's host copy."""
+    """(bytes, allocate) of the buffer ``key``: a layer's store bytes (pinned on CUDA) or a tensor's host copy."""
     kind, what = key
     if kind == "layer":
-        return checked.layout.expert_nbytes * checked.layout.num_experts, lambda: allocate_layer(
-            checked.layout, pin=pin
-        )
+        nbytes = checked.layout.expert_nbytes * checked.layout.num_experts
+
+        def layer() -> torch.Tensor:
+            try:
+                return allocate_layer(checked.layout, pin=pin)
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"cannot allocate {'pinned ' if pin else ''}host memory for MoE layer {what}'s experts "
+                    f"({nbytes} B): {exc}. The host store needs {checked.layout.total_bytes} B"
+                    f"{' of pinnable memory (ulimit -l)' if pin else ''}; see docs/operators.md"
+                ) from None
+
+        return nbytes, layer
     entry = checked.files.tensors[what]
     return entry.nbytes, lambda: host_empty(entry.shape, TORCH_DTYPES[entry.dtype])
 
