@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from pd_dflash.engine.registry import load_checked_spec
 from pd_dflash.errors import InputError
-from pd_dflash.spec import load_spec
 from pd_dflash.sweep.store import Mode
 
 
@@ -28,7 +28,7 @@ def options_from_args(args: argparse.Namespace):
 
 
 def run_main(args: argparse.Namespace) -> int:
-    spec = load_spec(args.spec)  # a bad spec is reported before Ray is even imported
+    spec = load_checked_spec(args.spec)  # a bad spec is reported before Ray is even imported
     from pd_dflash.sweep.driver import run_sweep
 
     options = options_from_args(args)

@@ -75,7 +75,8 @@ def test_phase_a_entrypoint_requires_an_absolute_out(tmp_path):
 
 
 def test_the_make_run_spec_plans_every_configuration():
-    from pd_dflash.spec import load_spec, plan
+    from pd_dflash.plan import plan
+    from pd_dflash.spec import load_spec
 
     spec = load_spec(REPO / "jobs" / "cpu_reference.yaml")
     planned = plan(spec)

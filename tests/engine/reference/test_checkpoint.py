@@ -10,8 +10,13 @@ from pd_dflash.spec import expand
 from tests.engine.reference.conftest import tiny_model
 from tests.engine.reference.test_engine import make_engine, make_spec
 
+#: A minimal chat template: gpt-oss targets are instruct models, prompted through their tokenizer's template.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+)
 
-def save_tokenizer(path, vocab_size):
+
+def save_tokenizer(path, vocab_size, chat_template=CHAT_TEMPLATE):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -20,8 +25,7 @@ def save_tokenizer(path, vocab_size):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    # gpt-oss is an instruct target: text prompts go through a chat template, which its tokenizer must have.
-    fast.chat_template = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    fast.chat_template = chat_template
     fast.save_pretrained(str(path))
 
 

@@ -1,6 +1,6 @@
 """Checking a checkpoint before anything loads it, without torch: the config's architecture, every shard the
 index names, every expert tensor in its expected shape and dtype (MXFP4 blocks *and* scales), the non-expert
-tensors, and a chat template where the target needs one. ``pd-dflash plan`` runs :func:`check_models` on the
+tensors, and a chat template where the target needs one. ``pd-dflash plan`` runs :func:`check_spec` on the
 driver; the engine runs :func:`check_checkpoint` before it allocates anything. Every problem is an
 :class:`~pd_dflash.errors.InputError` naming the file and the field or tensor.
 """
@@ -8,6 +8,7 @@ driver; the engine runs :func:`check_checkpoint` before it allocates anything. E
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from pd_dflash.engine.reference.checkpoints.layouts import (
     non_expert_tensors,
 )
 from pd_dflash.engine.reference.checkpoints.resolve import TINY_REAL, resolve
+from pd_dflash.engine.reference.prompts import needs_chat_template
 from pd_dflash.errors import InputError
 
 _FLOAT = ("BF16", "F16", "F32")
@@ -60,13 +62,6 @@ def has_chat_template(directory: Path) -> bool:
         return False
 
 
-def needs_chat_template(model_id: str, config: dict[str, Any]) -> bool:
-    """Instruct targets (an ``-Instruct``/``-Chat`` id, or gpt-oss, released for chat only) are prompted through
-    their chat template, so their tokenizer must carry one."""
-    name = model_id.lower()
-    return "instruct" in name or "chat" in name or config.get("model_type") == "gpt_oss"
-
-
 def check_checkpoint(directory: Path, *, chat_template_for: str | None = None) -> CheckedCheckpoint:
     """Everything about the checkpoint in ``directory`` that can be checked without loading it
     (``chat_template_for``: the model id whose instruct-ness decides whether a chat template is required)."""
@@ -93,7 +88,7 @@ def check_checkpoint(directory: Path, *, chat_template_for: str | None = None) -
     for name in non_expert_tensors(config, layout):
         if name not in files.tensors:
             raise InputError(f"tensor {name!r} is missing from the checkpoint", where=str(directory))
-    needs = chat_template_for is not None and needs_chat_template(chat_template_for, config)
+    needs = chat_template_for is not None and needs_chat_template(chat_template_for, config.get("model_type"))
     if needs and not has_chat_template(directory):
         raise InputError(
             f"tokenizer_config.json: no chat_template, but {chat_template_for} is an instruct target "
@@ -125,21 +120,43 @@ def check_model(
     return None
 
 
-def check_models(
-    models: list[Any], env: Mapping[str, str] | None = None, *, require_present: bool = False
-) -> list[str]:
-    """:func:`check_model` for every ``models[]`` entry that is not a preset (``models``: ModelSpec objects);
-    returns the notes, raises the first InputError (its message prefixed with the entry's index)."""
+def check_spec(spec: Any) -> list[str]:
+    """Plan-time checks of a reference-engine spec (``registry.check`` runs this for every command that loads
+    a spec): each real checkpoint visible from here — its files, its chat template when the prompts are text,
+    and its DFlash drafter against it (``dflash.config.check_drafter``). Resolution uses the spec's ``env``
+    (the runners' ``HF_HOME``) over this process's. Returns notes (checkpoints not on this machine); raises the
+    first InputError, prefixed with the model's index."""
+    from pd_dflash.engine.reference.dflash.config import check_drafter
+    from pd_dflash.engine.reference.prompts import prompt_kind
+
+    env = {**os.environ, **spec.env}
+    text_prompts = prompt_kind(spec.workload.prompts) != "synthetic"
     notes = []
-    for i, m in enumerate(models):
+    for i, m in enumerate(spec.models):
         if m.preset is not None or _is_preset_name(m.id):
             continue
+        found = resolve(m.id, m.path, env=env)
+        if found.source == "tiny-real":
+            continue
+        if found.directory is None:
+            notes.append(
+                f"{m.id}: checkpoint not found here (looked in {', '.join(found.tried)}); "
+                "the runners resolve it on their boxes"
+            )
+            continue
         try:
-            note = check_model(m.id, getattr(m, "path", None), env=env, require_present=require_present)
+            checked = check_checkpoint(found.directory, chat_template_for=m.id if text_prompts else None)
+            note = (
+                check_drafter(
+                    m.draft, checked.config, target_where=str(found.directory / "config.json"), env=env
+                )
+                if m.draft
+                else None
+            )
         except InputError as exc:
             raise InputError(str(exc), where=f"models.{i}") from None
         if note:
-            notes.append(note)
+            notes.append(f"{m.id}: {note}")
     return notes
 
 

@@ -82,12 +82,11 @@ def load_checkpoint(
     storage: str = "auto",
     pin: bool = False,
     cache_dir: str | None = None,
-    chat_template: bool = False,
 ) -> LoadedCheckpoint:
-    """The checkpoint of ``models[].id`` / ``models[].path`` (``chat_template``: prompts go through the chat
-    template, so an instruct target's tokenizer must have one)."""
+    """The checkpoint of ``models[].id`` / ``models[].path``. (A missing chat template is found when prompts
+    are made: a REFUSED row; ``pd-dflash plan`` already checks it where the checkpoint is visible.)"""
     directory, source = locate(model_id, path, cache_dir)
-    checked = check_checkpoint(directory, chat_template_for=model_id if chat_template else None)
+    checked = check_checkpoint(directory)
     layout = checked.layout
     if storage not in ("auto", layout.storage):
         raise InputError(
