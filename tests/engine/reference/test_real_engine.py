@@ -1,6 +1,7 @@
 """The reference engine on the tiny real-layout checkpoints (Qwen3-MoE hub layout in bf16; gpt-oss with MXFP4
-experts as published), through the Engine interface: offloaded and resident cells generate the tokens
-transformers' own ``generate`` does (MXFP4 dequantised by transformers), and rows count stored bytes."""
+experts as published), through the Engine interface, with tiny DFlash drafters in the published layout: all five
+configurations generate the tokens transformers' own ``generate`` does (MXFP4 dequantised by transformers), and
+rows count stored bytes."""
 
 from __future__ import annotations
 
@@ -34,19 +35,22 @@ def hf_digest(directory, prompts, max_new, eos):
 
 @pytest.fixture(scope="module", params=TARGETS)
 def real_rows(request):
-    spec = make_spec(model={"id": request.param, "engine_options": {"emulated_h2d_gbps": 1.0}})
+    spec = make_spec(
+        baselines=("B0", "B1", "B2", "B3", "OURS"),
+        model={"id": request.param, "draft": "tiny-real-dflash", "engine_options": {"emulated_h2d_gbps": 1.0}},
+    )
     engine = make_engine(spec)
     rows = {(c.baseline, c.concurrency): Row.from_result(c, engine.run_cell(c)) for c in expand(spec)}
     yield request.param, spec, engine, rows
     engine.close()
 
 
-def test_offloaded_and_resident_equal_transformers_generate(real_rows):
+def test_all_five_configurations_equal_transformers_generate(real_rows):
     _name, spec, engine, rows = real_rows
     for row in rows.values():
         assert row.status == Status.OK, (row.baseline, row.reason, row.warnings)
     digests = {row.engine["output_digest"] for row in rows.values()}
-    assert len(digests) == 1  # B0 == B3 at c = 1 and 4
+    assert len(digests) == 1  # B0, B1, B2, B3 and OURS at c = 1 and 4: greedy speculative decoding is lossless
     wl = spec.workload
     cell = next(c for c in expand(spec) if c.baseline == "B0")
     prompts = make_prompts(engine.loaded, wl.prompts, wl.requests, wl.prompt_tokens, seed=wl.seed)

@@ -6,6 +6,10 @@
   (``*_blocks`` uint8 ``[E, R, G, 16]``, ``*_scales`` uint8 ``[E, R, G]``, bf16 biases), everything else bf16,
   ``quantization_config: {quant_method: mxfp4, modules_to_not_convert: [...]}``, the published rope (yarn).
 
+Neither declares an end-of-sequence id (the tokenizers still name their end token): a random model's greedy
+continuation of the chat template's last tokens is the same for every prompt and may well be that token, which
+would end every request after its prefill — nothing left to verify. Requests run to ``max_new_tokens``.
+
 Deterministic in the seed. The engine generates them into its cache on first use (``materialise``) and then
 loads them through the same path as any real checkpoint; ``python -m
 pd_dflash.engine.reference.checkpoints.tiny OUT_DIR`` writes them anywhere.
@@ -91,12 +95,11 @@ def write_tiny_qwen3_moe(path: Path, seed: int = 0) -> dict[str, Any]:
         norm_topk_prob=True,
         max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0},
-        eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
     )
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    model.generation_config = GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]])
+    model.generation_config = GenerationConfig(pad_token_id=ids["<|endoftext|>"])
     model.save_pretrained(str(path), max_shard_size="200KB")  # sharded + index, like the hub checkpoint
     return {"layout": "qwen3-moe hub layout, bf16", "seed": seed}
 
@@ -124,7 +127,6 @@ def write_tiny_gpt_oss(path: Path, seed: int = 0) -> dict[str, Any]:
             "original_max_position_embeddings": 4096,
             "truncate": False,
         },
-        eos_token_id=ids["<|return|>"],
         pad_token_id=ids["<|endoftext|>"],
     )
     torch.manual_seed(seed)
@@ -141,7 +143,7 @@ def write_tiny_gpt_oss(path: Path, seed: int = 0) -> dict[str, Any]:
         architectures=["GptOssForCausalLM"], quantization_config=GPT_OSS_QUANTIZATION, dtype="bfloat16"
     )
     (path / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-    GenerationConfig(eos_token_id=[ids["<|return|>"], ids["<|endoftext|>"]]).save_pretrained(str(path))
+    GenerationConfig(pad_token_id=ids["<|endoftext|>"]).save_pretrained(str(path))
     _save_sharded(state, path, save_file)
     return {"layout": "gpt-oss as published: MXFP4 experts, bf16 rest", "seed": seed}
 
