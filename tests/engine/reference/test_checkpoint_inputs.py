@@ -123,3 +123,63 @@ def test_engine_load_names_the_bad_file_and_tensor(copy_of):
     message = str(err.value)
     assert str(ckpt) in message and "'model.layers.0.mlp.experts.gate_up_proj_scales'" in message
     assert "Traceback" not in message and len(message) < 400
+
+
+def _plan(tmp_path, model, prompts="synthetic"):
+    import yaml
+
+    from tests.sweep.helpers import run_cli
+
+    spec = {
+        "name": "bad-checkpoint",
+        "engine": "reference",
+        "models": [model],
+        "baselines": ["B0"],
+        "block_sizes": [8],
+        "concurrency": [1],
+        "repeats": 1,
+        "workload": {"prompts": prompts},
+        "memory": {"expert_cache_fraction": 0.25},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return run_cli("plan", str(path), env={"HF_HOME": str(tmp_path / "hf")}, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("breakage", "expected"),
+    [
+        ("scale", r"'model.layers.1.mlp.experts.down_proj_scales' \(MXFP4 scales of layer 1's experts\)"),
+        ("shard", r"shards named by model.safetensors.index.json are missing"),
+        ("architecture", r"architectures: 'LlamaForCausalLM' is not supported"),
+        ("chat_template", r"tokenizer_config.json: no chat_template"),
+    ],
+)
+def test_plan_exits_2_naming_the_file_of_a_bad_checkpoint(tmp_path, copy_of, breakage, expected):
+    import re
+
+    ckpt = copy_of("tiny-real-gpt-oss")
+    if breakage == "scale":
+        drop_tensor(ckpt, "model.layers.1.mlp.experts.down_proj_scales")
+    elif breakage == "shard":
+        (ckpt / "model-00002-of-00002.safetensors").unlink()
+    elif breakage == "architecture":
+        config = json.loads((ckpt / "config.json").read_text())
+        config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+        (ckpt / "config.json").write_text(json.dumps(config))
+    else:
+        (ckpt / "chat_template.jinja").unlink()
+    prompts = "humaneval" if breakage == "chat_template" else "synthetic"
+    proc = _plan(tmp_path, {"id": "openai/gpt-oss-20b", "path": str(ckpt)}, prompts)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert re.search(expected, proc.stderr) and str(ckpt) in proc.stderr and "models.0" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_plan_checks_the_drafter_against_a_visible_checkpoint(tmp_path, copy_of):
+    """A drafter whose hidden size differs from the target's: exit 2 naming both files (dflash.config)."""
+    ckpt = copy_of("tiny-real-qwen3-moe")
+    drafter = tmp_path / "drafter"
+    shutil.copytree(copy_of("tiny-real-gpt-oss"), drafter)  # not a DFlash drafter at all
+    proc = _plan(tmp_path, {"id": "org/tiny-qwen", "path": str(ckpt), "draft": str(drafter)})
+    assert proc.returncode == 2 and "models.0" in proc.stderr and "Traceback" not in proc.stderr
