@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-attempts", type=int, default=3, help="attempts per cell after runner deaths")
     p.add_argument("--cell-timeout", type=float, default=None, help="seconds before a cell is killed")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run on a cluster without token authentication (a warning instead of a refusal)",
+    )
     p.set_defaults(func=_lazy("pd_dflash.sweep.cli:run_main"))
 
     p = sub.add_parser("probe", help="device identity (NVML) and measured host-to-device bandwidth")

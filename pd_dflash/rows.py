@@ -250,8 +250,15 @@ def append_row(path: str | Path, row: Row) -> None:
     Raises the OSError that stopped it (after the roll-back), or :class:`UnsafeAppend` when the file ends with
     a torn line (repair it first).
     """
-    path = Path(path)
-    line = encode_row(row)
+    _append_line(Path(path), encode_row(row))
+
+
+def append_json(path: str | Path, obj: dict[str, Any]) -> None:
+    """Append one JSON object as one line, all-or-nothing and durable like :func:`append_row` (events.jsonl)."""
+    _append_line(Path(path), (json.dumps(obj, separators=(",", ":")) + "\n").encode("utf-8"))
+
+
+def _append_line(path: Path, line: bytes) -> None:
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
     try:
         end = os.fstat(fd).st_size

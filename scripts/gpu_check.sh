@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The prepared GPU check for a CUDA box (≤ 12 minutes): device probe, the reference engine's CUDA path on a mini
+# The prepared GPU check for a CUDA box (≤ 14 minutes): device probe, the reference engine's CUDA path on a mini
 # preset (offloaded vs resident outputs identical, measured transfers vs probe), the real-checkpoint steps (tiny
 # real-layout targets, a real-shaped slice's expert transfers vs the probe, a real target when its weights are under
-# HF_HOME) and `pytest -m gpu`.
+# HF_HOME) and `pytest -m gpu` (the link's ordering, timing and memory tests on 64 MiB experts, every configuration
+# on CUDA; their figures in the summary).
 #
 #   scripts/gpu_check.sh [SUMMARY.json]        # default: $OUT/gpu_check.json, else ./gpu_check.json
 #
@@ -25,4 +26,4 @@ export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TRANSFO
 export PD_DFLASH_CACHE="${PD_DFLASH_CACHE:-$PWD/.cache/pd-dflash}"
 
 command -v nvidia-smi >/dev/null && nvidia-smi -L || echo "gpu_check: nvidia-smi not found (no NVIDIA driver?)"
-exec timeout 720 "$py" benchmarks/gpu_check.py --output "$summary" "${@:2}"
+exec timeout 840 "$py" benchmarks/gpu_check.py --output "$summary" "${@:2}"

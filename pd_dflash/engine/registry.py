@@ -46,6 +46,9 @@ class EngineTraits:
     unsupported_reason: dict[str, str] = field(default_factory=dict)
     #: How to get a missing ``requires`` module onto a box (for preflight's message), keyed by module.
     install_hints: dict[str, str] = field(default_factory=dict)
+    #: ``module:function`` (torch-free) giving the host bytes one runner needs for a model (``ModelSpec`` →
+    #: int or None when unknown); the sweep reserves them with Ray's ``memory`` resource.
+    host_memory: str | None = None
     #: A torch-free check of one model entry (fields the engine requires), ``check_model(model, where)``;
     #: raises InputError. Runs at plan time, so it may import only torch-free modules.
     check_model: Callable[[ModelSpec, str], None] | None = None
@@ -90,6 +93,7 @@ BUILTIN: dict[str, EngineTraits] = {
         requires=("torch", "transformers"),
         check_model=_reference_model,
         check_spec=_reference_spec,
+        host_memory="pd_dflash.engine.reference.host_memory:runner_host_memory_bytes",
     ),
     "moe_infinity": EngineTraits(
         entry_point="pd_dflash.engine.moe_infinity.engine:MoEInfinityEngine",
@@ -200,16 +204,33 @@ def plan_blocked_reason(engine: str) -> Callable[[Cell], str | None] | None:
     return lambda cell: blocked_reason(engine, cell)
 
 
-def blocked_reason(engine: str, cell: Cell, engine_traits: EngineTraits | None = None) -> str | None:
+def host_memory_bytes(engine: str, model: ModelSpec) -> int | None:
+    """Host bytes one runner of a built-in ``engine`` needs for ``model`` (None: unknown, or a custom engine,
+    which is never imported here)."""
+    known = static_traits(engine)
+    path = known.host_memory if known is not None else None
+    return None if path is None else _import(path)(model)
+
+
+def blocked_reason(engine: str, cell: Cell) -> str | None:
     """Why this engine will not run the cell at all (known before any runner starts), or None."""
-    t = engine_traits or traits(engine)
+    return blocked_reason_for(traits(engine), engine, cell)
+
+
+def blocked_reason_for(t: EngineTraits, engine: str, cell: Cell) -> str | None:
+    """``blocked_reason`` from traits already at hand (the sweep's driver gets a custom engine's from preflight)."""
     if cell.baseline not in t.supported_baselines:
         return t.unsupported_reason.get(cell.baseline, f"engine {engine} does not implement {cell.baseline}")
     return None
 
 
-def load_group(engine: str, cell: Cell, engine_traits: EngineTraits | None = None) -> str:
+def load_group(engine: str, cell: Cell) -> str:
     """Cells of one model with the same load group are served by one model load (model affinity)."""
-    if (engine_traits or traits(engine)).separate_resident_load and not cell.offloaded:
+    return load_group_for(traits(engine), cell)
+
+
+def load_group_for(t: EngineTraits, cell: Cell) -> str:
+    """``load_group`` from traits already at hand."""
+    if t.separate_resident_load and not cell.offloaded:
         return "resident"
     return "shared"

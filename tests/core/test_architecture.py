@@ -16,12 +16,6 @@ MAX_FUNCTION_LINES = 80
 #: Argument tables are exempt from the function limit (one add_argument per line reads better than helpers).
 ARGUMENT_TABLES = frozenset({"cli.py:build_parser"})
 
-# TEMPORARY allow-list: items outside pd_dflash's core that are oversized on this branch while other branches
-# split them (issue 9: the driver by responsibility, the engines' long functions). The lead empties both sets
-# when those branches are merged; an entry that is no longer oversized fails the test so it cannot linger.
-TEMPORARY_OVERSIZED_MODULES = frozenset({"sweep/driver.py"})
-TEMPORARY_OVERSIZED_FUNCTIONS: frozenset[str] = frozenset()
-
 
 @dataclass(frozen=True)
 class Module:
@@ -235,14 +229,12 @@ def oversized_functions() -> set[str]:
 
 def test_no_module_over_the_line_limit():
     over = oversized_modules()
-    assert over - TEMPORARY_OVERSIZED_MODULES == set(), f"modules over {MAX_MODULE_LINES} lines"
-    assert TEMPORARY_OVERSIZED_MODULES - over == set(), "no longer oversized: remove from the allow-list"
+    assert over == set(), f"modules over {MAX_MODULE_LINES} lines"
 
 
 def test_no_function_over_the_line_limit():
     over = oversized_functions()
-    assert over - TEMPORARY_OVERSIZED_FUNCTIONS == set(), f"functions over {MAX_FUNCTION_LINES} lines"
-    assert TEMPORARY_OVERSIZED_FUNCTIONS - over == set(), "no longer oversized: remove from the allow-list"
+    assert over == set(), f"functions over {MAX_FUNCTION_LINES} lines"
 
 
 def test_the_argument_table_exemption_names_a_real_function():

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from pd_dflash.engine.reference.families import MoEFamily, family_of
-from pd_dflash.engine.reference.offload import install_offload
 from pd_dflash.engine.reference.presets.catalog import PRESETS, get_preset
 from pd_dflash.engine.reference.presets.language import SyntheticLanguage
 from pd_dflash.engine.reference.presets.training import load_preset
@@ -39,8 +38,12 @@ class LoadedModel:
     language: SyntheticLanguage | None = None
     tokenizer: Any = None
     card: dict[str, Any] = field(default_factory=dict)
-    #: The host expert store (a checkpoint's experts are streamed into it; a preset's are moved into it).
+    #: A checkpoint's host store (its experts are streamed into it at load; a preset's are moved into one by the
+    #: engine), its storage ("bf16", "mxfp4", ...), and the load's refusal when the store or the weights would
+    #: not fit (the model is then the ``meta`` skeleton: every cell is refused with the figures).
     store: Any = None
+    storage: str | None = None
+    refusal: Any = None
     #: An instruct target: its prompts go through the tokenizer's chat template (``prompts.py``).
     chat: bool = False
 
@@ -64,11 +67,12 @@ def load_model(
     path: str | None = None,
     device: torch.device | None = None,
     storage: str = "auto",
+    host_available_bytes: int | None = None,
+    device_available_bytes: int | None = None,
 ) -> LoadedModel:
-    """The target on ``device`` with its routed experts in a host store (pinned on CUDA): a preset when
-    ``preset`` is set (or ``model_id`` names one), its experts moved into the store in ``storage`` ("auto": the
-    compute dtype); else a real checkpoint, streamed (experts stored as the checkpoint stores them)."""
-    device = device or torch.device("cpu")
+    """A preset when ``preset`` is set (or ``model_id`` names one), loaded on CPU (the engine moves its experts
+    into a host store); else a real checkpoint, streamed: non-expert weights on ``device``, experts into the
+    host store as stored, after checking both fit (``*_available_bytes``; None: not checked)."""
     name = preset or (model_id if model_id in PRESETS else None)
     if name is not None:
         try:
@@ -78,14 +82,10 @@ def load_model(
         model, card = load_preset(p, seed=seed, cache_dir=cache_dir)
         if dtype not in ("auto", "fp32"):
             model = model.to(DTYPES[dtype])
-        family = family_of(model.config)
-        if storage == "auto":
-            storage = {v: k for k, v in DTYPES.items()}[next(model.parameters()).dtype]
-        store = install_offload(model, family, storage, pin=device.type == "cuda")
-        model.to(device)  # everything but the routed experts, which now live in the host store
-        return LoadedModel(model, family, "preset", name, language=p.language, card=card, store=store)
+        return LoadedModel(model, family_of(model.config), "preset", name, language=p.language, card=card)
     from pd_dflash.engine.reference.checkpoints.loader import load_checkpoint
 
+    device = device or torch.device("cpu")
     loaded = load_checkpoint(
         model_id,
         path,
@@ -94,6 +94,8 @@ def load_model(
         storage=storage,
         pin=device.type == "cuda",
         cache_dir=cache_dir,
+        host_available_bytes=host_available_bytes,
+        device_available_bytes=device_available_bytes,
     )
     return LoadedModel(
         loaded.model,
@@ -103,6 +105,8 @@ def load_model(
         tokenizer=loaded.tokenizer,
         card=loaded.card,
         store=loaded.store,
+        storage=loaded.card["storage"],
+        refusal=loaded.refusal,
         chat=needs_chat_template(model_id, loaded.card["model_type"]),
     )
 

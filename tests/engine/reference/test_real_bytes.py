@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pd_dflash.engine.reference.checkpoints.layouts import expert_layout
-from pd_dflash.engine.reference.checkpoints.store import CheckpointExpertStore, allocate_parts
+from pd_dflash.engine.reference.checkpoints.store import CheckpointExpertStore, meta_layers
 
 #: Qwen/Qwen3-Coder-30B-A3B-Instruct config.json (the fields that size the experts).
 QWEN3_CODER_30B_A3B = {
@@ -48,7 +48,7 @@ GPT_OSS_20B = {
 
 def meta_store(config) -> CheckpointExpertStore:
     layout = expert_layout(config)
-    parts = allocate_parts(layout, device="meta")
+    parts = meta_layers(layout)
     assert all(t.is_meta for t in parts.values())
     return CheckpointExpertStore(layout, parts)
 

@@ -37,7 +37,11 @@ def hf_digest(directory, prompts, max_new, eos):
 def real_rows(request):
     spec = make_spec(
         baselines=("B0", "B1", "B2", "B3", "OURS"),
-        model={"id": request.param, "draft": "tiny-real-dflash", "engine_options": {"emulated_h2d_gbps": 1.0}},
+        model={
+            "id": request.param,
+            "draft": "tiny-real-dflash",
+            "engine_options": {"emulated_h2d_gbps": 1.0},
+        },
     )
     engine = make_engine(spec)
     rows = {(c.baseline, c.concurrency): Row.from_result(c, engine.run_cell(c)) for c in expand(spec)}
@@ -50,7 +54,9 @@ def test_all_five_configurations_equal_transformers_generate(real_rows):
     for row in rows.values():
         assert row.status == Status.OK, (row.baseline, row.reason, row.warnings)
     digests = {row.engine["output_digest"] for row in rows.values()}
-    assert len(digests) == 1  # B0, B1, B2, B3 and OURS at c = 1 and 4: greedy speculative decoding is lossless
+    assert (
+        len(digests) == 1
+    )  # B0, B1, B2, B3 and OURS at c = 1 and 4: greedy speculative decoding is lossless
     wl = spec.workload
     cell = next(c for c in expand(spec) if c.baseline == "B0")
     prompts = make_prompts(engine.loaded, wl.prompts, wl.requests, wl.prompt_tokens, seed=wl.seed)
@@ -73,3 +79,23 @@ def test_rows_report_the_stored_expert_bytes(real_rows):
     b0 = rows[("B0", 1)]
     assert b0.cost_terms.h2d_bytes > 0 and b0.cost_terms.h2d_bytes % expected == 0
     assert b0.engine["model_card"]["load_bytes"] == b0.engine["model_card"]["checkpoint_bytes"]
+
+
+def test_a_checkpoint_whose_store_does_not_fit_refuses_every_cell_before_reading(tmp_path):
+    """The streaming loader checks host memory before it allocates or reads anything: every cell is refused
+    with the figures (the model stays the meta skeleton)."""
+    from pd_dflash.engine.interface import EngineContext, Refused
+    from pd_dflash.engine.reference.engine import ReferenceEngine
+
+    class SmallHost(ReferenceEngine):
+        def host_available_bytes(self):
+            return 10_000
+
+    spec = make_spec(model={"id": "tiny-real-gpt-oss"}, concurrency=(1,))
+    engine = SmallHost(EngineContext.for_model(spec, device="cpu"))
+    assert engine.store is None and "load_refused" in engine.describe()
+    assert engine.describe()["storage_dtype"] == "mxfp4"
+    for cell in expand(spec):
+        with pytest.raises(Refused, match=r"host expert store \(110,592 B of experts as stored\).*10,000 B"):
+            engine.run_cell(cell)
+    engine.close()

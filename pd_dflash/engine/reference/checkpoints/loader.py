@@ -1,61 +1,52 @@
 """Loading a real checkpoint into the reference engine without ever materialising it in host memory.
 
-The model is built on the ``meta`` device; every routed-experts module is replaced by ``OffloadedExperts``
-before any weight is read; then the safetensors files are read once, in file order, each tensor straight into
-its destination: an expert's bytes into its slice of the host store (pinned on CUDA, stored as in the file:
-bf16, or MXFP4 blocks + scales + biases), a non-expert tensor into a temporary CPU tensor that goes to the
-device in the compute dtype. Peak host memory is the store plus one non-expert tensor (on CUDA).
+The model is built on the ``meta`` device from ``config.json``; every routed-experts module is replaced by
+``OffloadedExperts`` before any weight is read. Then the memory is checked (host: the store's arena plus the
+non-expert weights in flight; device: the non-expert weights) — a load that would not fit is refused with the
+figures before anything is allocated (the engine refuses every cell; the model stays the ``meta`` skeleton).
+Then the safetensors files are read once, in file order, each tensor straight into its destination
+(``reads.py``): the experts into the host store's one arena (stored as in the file: bf16, or MXFP4 blocks +
+scales + biases; pinned in place on CUDA once filled), the rest to the device in the compute dtype.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from pd_dflash.engine.interface import Refused
 from pd_dflash.engine.reference.checkpoints.check import CheckedCheckpoint, check_checkpoint
-from pd_dflash.engine.reference.checkpoints.files import TensorEntry
-from pd_dflash.engine.reference.checkpoints.prealloc import Preallocator
+from pd_dflash.engine.reference.checkpoints.prealloc import LOOKAHEAD_BYTES
 from pd_dflash.engine.reference.checkpoints.progress import LoadProgress
+from pd_dflash.engine.reference.checkpoints.reads import expert_reads, parameter_reads, read_all
 from pd_dflash.engine.reference.checkpoints.resolve import resolve
 from pd_dflash.engine.reference.checkpoints.store import (
     TORCH_DTYPES,
     CheckpointExpertStore,
-    allocate_layer,
-    host_empty,
-    part_views,
+    arena_layers,
+    store_bytes,
 )
 from pd_dflash.engine.reference.families import MoEFamily, family_of
+from pd_dflash.engine.reference.memory import module_bytes, require
 from pd_dflash.engine.reference.offload import OffloadedExperts
 from pd_dflash.errors import InputError
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_STORED = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
 class LoadedCheckpoint:
     model: nn.Module
     family: MoEFamily
-    store: CheckpointExpertStore
+    #: None when the load was refused (``refusal``): the model is then the ``meta`` skeleton.
+    store: CheckpointExpertStore | None
     tokenizer: Any
     card: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class _Read:
-    """One tensor read: ``entry``'s bytes into ``place(buffer)``, where ``buffer`` is the preallocated buffer
-    ``key`` (a layer's store parts, or a non-expert tensor's host copy handed to ``assign``)."""
-
-    entry: TensorEntry
-    key: tuple
-    place: Any
-    assign: Any = None
+    refusal: Refused | None = None
 
 
 def locate(model_id: str, path: str | None, cache_dir: str | None) -> tuple[Path, str]:
@@ -83,9 +74,12 @@ def load_checkpoint(
     storage: str = "auto",
     pin: bool = False,
     cache_dir: str | None = None,
+    host_available_bytes: int | None = None,
+    device_available_bytes: int | None = None,
 ) -> LoadedCheckpoint:
-    """The checkpoint of ``models[].id`` / ``models[].path``. (A missing chat template is found when prompts
-    are made: a REFUSED row; ``pd-dflash plan`` already checks it where the checkpoint is visible.)"""
+    """The checkpoint of ``models[].id`` / ``models[].path`` (``*_available_bytes``: memory available now;
+    None: not checked). A missing chat template is found when prompts are made (a REFUSED row); ``pd-dflash
+    plan`` has already checked it where the checkpoint was visible."""
     directory, source = locate(model_id, path, cache_dir)
     checked = check_checkpoint(directory)
     layout = checked.layout
@@ -95,18 +89,8 @@ def load_checkpoint(
             "use auto",
             where="models[].engine_options.storage_dtype",
         )
-    compute = COMPUTE_DTYPES[dtype] if dtype != "auto" else _STORED.get(layout.storage, torch.bfloat16)
-    if layout.storage == "mxfp4" and dtype == "auto":
-        compute = TORCH_DTYPES[layout.parts[2].dtype]  # the biases' dtype: the checkpoint's float dtype
-    model, family = build_skeleton(checked, compute)
-    reads = _expert_reads(checked) + _parameter_reads(checked, model, device, compute)
-    progress = LoadProgress(model_id, sum(r.entry.nbytes for r in reads))
-    buffers = _read_all(reads, lambda key: _allocate(key, checked, pin), progress)
-    seconds = progress.finish()
-    _finish_model(model, device)
-    store = CheckpointExpertStore(layout, {layer: buffers[("layer", layer)] for layer in layout.moe_layers})
-    read = {r.entry.name for r in reads}
-    unused = sorted(set(checked.files.tensors) - read)
+    model, family = build_skeleton(checked, _compute_dtype(checked, dtype))
+    compute = next(model.parameters()).dtype
     card = {
         "checkpoint": str(directory),
         "resolved_from": source,
@@ -114,11 +98,58 @@ def load_checkpoint(
         "model_type": checked.config.get("model_type"),
         "storage": layout.storage,
         "checkpoint_bytes": checked.files.total_bytes,
-        "load_bytes": progress.done,
-        "load_seconds": seconds,
-        "unused_tensors": unused[:8] + ([f"... {len(unused) - 8} more"] if len(unused) > 8 else []),
     }
+    try:
+        _check_memory(checked, model, device, pin, host_available_bytes, device_available_bytes)
+    except Refused as refusal:
+        return LoadedCheckpoint(model, family, None, None, card, refusal=refusal)
+    reads = expert_reads(checked) + parameter_reads(checked, model, device, compute)
+    progress = LoadProgress(model_id, sum(r.entry.nbytes for r in reads))
+    arena, layers = arena_layers(layout)
+    read_all(reads, checked, layers, progress)
+    card.update(load_bytes=progress.done, load_seconds=progress.finish())
+    if pin:
+        arena.pin()  # page-locked in place, once filled (HostArena)
+    _finish_model(model, device)
+    unused = sorted(set(checked.files.tensors) - {r.entry.name for r in reads})
+    card["unused_tensors"] = unused[:8] + ([f"... {len(unused) - 8} more"] if len(unused) > 8 else [])
+    store = CheckpointExpertStore(layout, layers, arena)
     return LoadedCheckpoint(model.eval(), family, store, _tokenizer(directory), card)
+
+
+def _compute_dtype(checked: CheckedCheckpoint, dtype: str) -> torch.dtype:
+    """``engine_options.dtype``, else the checkpoint's float dtype (an MXFP4 checkpoint's: its biases')."""
+    if dtype != "auto":
+        return COMPUTE_DTYPES[dtype]
+    floats = [p.dtype for p in checked.layout.parts if p.dtype != "U8"]
+    return TORCH_DTYPES[floats[0]]
+
+
+def _check_memory(
+    checked: CheckedCheckpoint,
+    model: nn.Module,
+    device: torch.device,
+    pin: bool,
+    host_available: int | None,
+    device_available: int | None,
+) -> None:
+    """Refuse, before anything is allocated, a load that would not fit: the host holds the store's arena and
+    the non-expert weights in flight (all of them on a CPU device, at most the read-ahead on CUDA); the device
+    holds the non-expert weights."""
+    arena = store_bytes(checked.layout)
+    non_expert = module_bytes(model)  # the skeleton's parameters, in the compute dtype
+    in_flight = non_expert if device.type == "cpu" else min(non_expert, LOOKAHEAD_BYTES)
+    require(
+        f"the host expert store ({arena:,} B of experts as stored{', pinned' if pin else ''}) + the non-expert "
+        f"weights in host memory during the load ({in_flight:,} B)",
+        arena + in_flight,
+        host_available,
+        "a box with more free host memory, or fewer runners per box (docs/operators.md)",
+        "host",
+    )
+    if device.type == "cuda":
+        fix = "a GPU with more free memory (another process may hold some)"
+        require("the non-expert weights", non_expert, device_available, fix, "device")
 
 
 def build_skeleton(checked: CheckedCheckpoint, compute: torch.dtype) -> tuple[nn.Module, MoEFamily]:
@@ -143,125 +174,6 @@ def build_skeleton(checked: CheckedCheckpoint, compute: torch.dtype) -> tuple[nn
         if experts is not None:
             layer.mlp.experts = OffloadedExperts(i, family.expert_fn(experts))
     return model, family
-
-
-def _expert_reads(checked: CheckedCheckpoint) -> list[_Read]:
-    """Each expert tensor of the checkpoint into its part's view in the expert's byte row (an ``[E, ...]``
-    tensor: one read per expert, consecutive in the file)."""
-    layout, reads = checked.layout, []
-    for layer in layout.moe_layers:
-        for src in layout.sources(layer):
-            entry = checked.files.tensors[src.tensor]
-            nbytes = layout.parts[src.part].nbytes
-            experts = [src.expert] if src.expert is not None else range(layout.num_experts)
-            for e in experts:
-                if src.expert is None:
-                    start = entry.start + e * nbytes
-                    sub = replace(entry, shape=layout.parts[src.part].shape, start=start, end=start + nbytes)
-                else:
-                    sub = entry
-
-                def place(layer_bytes, e=e, src=src):
-                    part = part_views(layout, layer_bytes[e])[src.part]
-                    return part if src.expert is None else part[src.row0 : src.row0 + src.shape[0]]
-
-                reads.append(_Read(sub, ("layer", layer), place))
-    return reads
-
-
-def _parameter_reads(
-    checked: CheckedCheckpoint, model: nn.Module, device: torch.device, compute
-) -> list[_Read]:
-    reads = []
-    for name, param in model.named_parameters():
-        entry = checked.files.get(name, "a non-expert weight of the model")
-        if entry.shape != tuple(param.shape):
-            raise InputError(
-                f"tensor {name!r} is {list(entry.shape)}, the model built from config.json expects "
-                f"{list(param.shape)}",
-                where=str(entry.file),
-            )
-        module_name, _, leaf = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        # Floating weights take the compute dtype; anything else keeps its stored dtype.
-        dtype = compute if param.dtype.is_floating_point else param.dtype
-
-        def assign(t: torch.Tensor, module=module, leaf=leaf, dtype=dtype) -> None:
-            module._parameters[leaf] = nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
-
-        reads.append(_Read(entry, ("param", name), lambda t: t, assign))
-    return reads
-
-
-def _allocate(key: tuple, checked: CheckedCheckpoint, pin: bool):
-    """(bytes, allocate) of the buffer ``key``: a layer's store bytes (pinned on CUDA) or a tensor's host copy."""
-    kind, what = key
-    if kind == "layer":
-        nbytes = checked.layout.expert_nbytes * checked.layout.num_experts
-
-        def layer() -> torch.Tensor:
-            try:
-                return allocate_layer(checked.layout, pin=pin)
-            except RuntimeError as exc:
-                raise RuntimeError(
-                    f"cannot allocate {'pinned ' if pin else ''}host memory for MoE layer {what}'s experts "
-                    f"({nbytes} B): {exc}. The host store needs {checked.layout.total_bytes} B"
-                    f"{' of pinnable memory (ulimit -l)' if pin else ''}; see docs/operators.md"
-                ) from None
-
-        return nbytes, layer
-    entry = checked.files.tensors[what]
-    return entry.nbytes, lambda: host_empty(entry.shape, TORCH_DTYPES[entry.dtype])
-
-
-def _read_all(reads: list[_Read], allocate, progress: LoadProgress) -> dict[tuple, Any]:
-    """Every read in file order (one sequential pass per shard), bytes straight into their destination, the
-    destinations allocated ahead by a background thread. Returns the store parts by layer key."""
-    reads = sorted(reads, key=lambda r: (str(r.entry.file), r.entry.start))
-    order = list(dict.fromkeys(r.key for r in reads))
-    pre = Preallocator([(key, *allocate(key)) for key in order])
-    buffers: dict[tuple, Any] = {}
-    try:
-        for file, group in itertools.groupby(reads, key=lambda r: r.entry.file):
-            with open(file, "rb", buffering=0) as handle:
-                _read_ahead(handle)
-                for r in group:
-                    if r.key not in buffers:
-                        buffers[r.key] = pre.take(r.key)
-                    dest = r.place(buffers[r.key])
-                    _read_into(handle, r.entry, dest)
-                    if r.assign is not None:
-                        r.assign(dest)
-                        del buffers[r.key]  # a non-expert tensor's host copy is not kept
-                    progress.advance(r.entry.nbytes)
-    finally:
-        pre.close()
-    return buffers
-
-
-def _read_ahead(handle) -> None:
-    """Tell the kernel the whole shard will be read in order, so its readahead keeps the disk busy while the
-    reader copies one tensor at a time (Linux; a no-op elsewhere)."""
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
-
-
-def _read_into(handle, entry: TensorEntry, dest: torch.Tensor) -> None:
-    if not dest.is_contiguous() or dest.numel() * dest.element_size() != entry.nbytes:
-        raise RuntimeError(
-            f"{entry.name}: destination {tuple(dest.shape)} {dest.dtype} does not fit {entry.nbytes} B"
-        )
-    view = memoryview(dest.view(-1).view(torch.uint8).numpy())
-    handle.seek(entry.start)
-    got = 0
-    while got < entry.nbytes:
-        n = handle.readinto(view[got:])
-        if not n:
-            raise InputError(
-                f"tensor {entry.name!r}: file ends after {got} of {entry.nbytes} B", where=str(entry.file)
-            )
-        got += n
 
 
 def _finish_model(model: nn.Module, device: torch.device) -> None:

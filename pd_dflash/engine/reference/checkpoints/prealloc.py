@@ -1,8 +1,9 @@
-"""Allocating the loader's destination buffers ahead of the reads, in a background thread.
+"""Preparing the loader's destination buffers ahead of the reads, in a background thread.
 
-Fresh host memory is zeroed by the kernel (and pinned, on CUDA) when first used; done inline, that costs as
-much as reading the bytes (benchmarks/load.py). One thread allocates the buffers in the order the reads will
-need them, at most ``lookahead_bytes`` ahead of the reader, so allocation overlaps I/O (both release the GIL).
+Fresh host memory is zeroed by the kernel when first used; done inline, while a read copies into it, that costs
+several times the read (benchmarks/load.py). One thread allocates or populates the buffers in the order the
+reads will need them, at most ``LOOKAHEAD_BYTES`` ahead of the reader, so that overlaps I/O (both release the
+GIL).
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
 
+#: How far (bytes) buffers are prepared ahead of the reader: also the most non-expert weights in host memory at
+#: once while they travel to the device.
+LOOKAHEAD_BYTES = 2 << 30
+
 
 class Preallocator:
     def __init__(
-        self, jobs: list[tuple[Hashable, int, Callable[[], Any]]], lookahead_bytes: int = 2 << 30
+        self, jobs: list[tuple[Hashable, int, Callable[[], Any]]], lookahead_bytes: int = LOOKAHEAD_BYTES
     ) -> None:
         """``jobs``: (key, bytes, allocate) in the order the reader will ``take`` them."""
         self._futures: dict[Hashable, Future] = {key: Future() for key, _, _ in jobs}
