@@ -29,7 +29,7 @@ def shipped(name: str) -> dict:
 def test_tiny_real_spec_runs_every_cell_of_both_targets(tmp_path):
     data = shipped("tiny_real.yaml")
     # The shipped spec's models, options, workload kind and memory; fewer axes and requests (suite time).
-    data.update(block_sizes=[8], concurrency=[1, 4], repeats=1)
+    data.update(block_sizes=[8], concurrency=[2], repeats=1)
     data["workload"].update(requests=4, max_new_tokens=8)
     data["local"] = {"fake_gpus": 1, "object_store_mb": 100}
     path = write_spec(tmp_path / "spec.yaml", data)
@@ -46,12 +46,11 @@ def test_tiny_real_spec_runs_every_cell_of_both_targets(tmp_path):
     storage = {r.model: r.engine["storage_dtype"] for r in rows}
     assert storage == {"tiny-real-qwen3-moe": "bf16", "tiny-real-gpt-oss": "mxfp4"}
     for model in storage:  # lossless: every configuration of one (model, c) generates the same tokens
-        for c in (1, 4):
-            digests = {r.engine["output_digest"] for r in rows if r.model == model and r.concurrency == c}
-            assert len(digests) == 1, (model, c, digests)
+        digests = {r.engine["output_digest"] for r in rows if r.model == model}
+        assert len(digests) == 1, (model, digests)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     matrix = json.loads((out / "result_matrix.json").read_text())
-    assert "tiny-real-gpt-oss|B8|c4" in matrix and (out / "result_matrix.md").exists()
+    assert "tiny-real-gpt-oss|B8|c2" in matrix and (out / "result_matrix.md").exists()
 
 
 @pytest.mark.parametrize("name", ["phase_a_reference.yaml", "tiny_real.yaml"])
