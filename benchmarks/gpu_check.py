@@ -255,6 +255,25 @@ def _figures(path: Path) -> dict[str, Any]:
     return {"figures": [json.loads(line) for line in path.read_text().splitlines() if line.strip()]}
 
 
+#: The steps in running order, each with its own time limit in seconds (cut to the overall budget).
+STEPS: dict[str, float] = {
+    "probe": 60,
+    "reference": 240,
+    "gpu_tests": 270,
+    "real_tiny": 120,
+    "real_slice": 150,
+    "real_target": 240,
+}
+
+
+def _wanted_steps(text: str, *, skip_tests: bool) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in STEPS]
+    if unknown:
+        raise SystemExit(f"gpu_check: unknown step(s) {', '.join(unknown)}; use {', '.join(STEPS)}")
+    return [s for s in STEPS if s in names and not (skip_tests and s == "gpu_tests")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -265,6 +284,18 @@ def main(argv: list[str] | None = None) -> int:
         "--preset", default=None, help="reference preset (default: mini-gpt-oss on CUDA, micro on CPU)"
     )
     parser.add_argument("--skip-tests", action="store_true", help="do not run pytest -m gpu")
+    parser.add_argument(
+        "--steps",
+        default=",".join(STEPS),
+        help=f"comma-separated steps to run, in this order: {','.join(STEPS)} (default: all)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=540.0,
+        help="overall seconds: each step's timeout is cut to what is left, steps past it are recorded as not run "
+        "(default 540: one device call of at most 10 minutes, with room to write the summary)",
+    )
     parser.add_argument("--step", choices=("reference",), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -278,12 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     cuda = bool(env.get("cuda_available"))
     device = ("cuda" if cuda else "cpu") if args.device == "auto" else args.device
     preset = args.preset or ("mini-gpt-oss" if device == "cuda" else "micro")
-    try:
-        summary["steps"]["probe"] = step_probe()
-    except Exception as exc:
-        summary["steps"]["probe"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    summary["steps"]["reference"] = _run_json(
-        [
+    wanted = _wanted_steps(args.steps, skip_tests=args.skip_tests)
+    deadline = started + args.budget_s
+    real = str(REPO / "benchmarks" / "gpu_real.py")
+    commands = {
+        "reference": [
             sys.executable,
             str(Path(__file__).resolve()),
             "--step",
@@ -293,19 +323,28 @@ def main(argv: list[str] | None = None) -> int:
             "--preset",
             preset,
         ],
-        timeout=240,
-    )
-    real = str(REPO / "benchmarks" / "gpu_real.py")
-    for step, name, timeout in (
-        ("tiny", "real_tiny", 120),
-        ("slice", "real_slice", 150),
-        ("real", "real_target", 240),
-    ):
-        summary["steps"][name] = _run_json(
-            [sys.executable, real, "--step", step, "--device", device], timeout
-        )
-    if not args.skip_tests:
-        summary["steps"]["gpu_tests"] = step_gpu_tests(timeout=270)
+        "real_tiny": [sys.executable, real, "--step", "tiny", "--device", device],
+        "real_slice": [sys.executable, real, "--step", "slice", "--device", device],
+        "real_target": [sys.executable, real, "--step", "real", "--device", device],
+    }
+    for name in wanted:
+        left = deadline - time.perf_counter()
+        if left < 20:
+            summary["steps"][name] = {
+                "ok": False,
+                "error": f"not run: the {args.budget_s:g} s budget was spent",
+            }
+            continue
+        timeout = min(STEPS[name], left)
+        if name == "probe":
+            try:
+                summary["steps"]["probe"] = step_probe()
+            except Exception as exc:
+                summary["steps"]["probe"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        elif name == "gpu_tests":
+            summary["steps"]["gpu_tests"] = step_gpu_tests(timeout=timeout)
+        else:
+            summary["steps"][name] = _run_json(commands[name], timeout)
     summary["device"] = device
     summary["seconds"] = time.perf_counter() - started
     summary["ok"] = all(step.get("ok", False) for step in summary["steps"].values())
