@@ -60,6 +60,8 @@ class ModelSpec(_Input):
     """One target model: its id (HF id, local path, or a reference-engine preset name) and its drafter."""
 
     id: Annotated[str, Field(min_length=1)]
+    #: A local checkpoint directory for ``id`` (default: ``id`` itself as a directory or a hub id in HF_HOME).
+    path: Annotated[str, Field(min_length=1)] | None = None
     draft: str = ""
     offload_dir: str | None = None
     preset: str | None = None

@@ -96,22 +96,28 @@ class ReferenceEngine(Engine):
             seed=self.options.train_seed,
             cache_dir=self.options.cache_dir,
             dtype=self.options.dtype,
+            path=ctx.model.path,
+            device=self.device,
+            storage=self.options.storage_dtype,
+            host_available_bytes=self.host_available_bytes(),
+            device_available_bytes=self.device_available_bytes(),
         )
         model = self.loaded.model
         self.compute_dtype = next(model.parameters()).dtype
-        self.storage_dtype = self.options.storage_dtype
-        if self.storage_dtype == "auto":
-            self.storage_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
-                self.compute_dtype
-            ]
         #: A load that does not fit (the host store, the device weights): every cell is refused with its figures.
-        self.load_refusal: Refused | None = None
-        self.store: HostExpertStore | None = None
-        try:
-            self.store = self._offload(model)
-            model.to(self.device)  # everything but the routed experts, which now live in the host store
-        except Refused as refusal:
-            self.load_refusal = refusal
+        self.load_refusal: Refused | None = self.loaded.refusal
+        self.store: HostExpertStore | None = self.loaded.store  # a checkpoint's, streamed into it at load
+        self.storage_dtype = self.loaded.storage or self.options.storage_dtype
+        if self.loaded.source == "preset":
+            if self.storage_dtype == "auto":
+                self.storage_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
+                    self.compute_dtype
+                ]
+            try:
+                self.store = self._offload(model)
+                model.to(self.device)  # everything but the routed experts, which now live in the host store
+            except Refused as refusal:
+                self.load_refusal = refusal
         self.target = TargetModel(model, self.loaded.family, self.device)
         self.top_k = int(model.config.num_experts_per_tok)
         if self.options.drafter == "early_exit" and self.options.early_exit_layers >= self.target.num_layers:
@@ -325,7 +331,9 @@ class ReferenceEngine(Engine):
                 self._dflash = load_published_drafter(
                     self.ctx.model.draft,
                     self.target.model,
-                    target_where=str(Path(self.loaded.name) / "config.json"),
+                    target_where=str(
+                        Path(self.loaded.card.get("checkpoint", self.loaded.name)) / "config.json"
+                    ),
                     cache_dir=self.options.cache_dir,
                 )
             return published_decoding(self._dflash, cell, temperature)
