@@ -36,6 +36,7 @@ from pd_dflash.engine.reference.dflash.published import load_published_drafter, 
 from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.expert_store import HostExpertStore
 from pd_dflash.engine.reference.link import HostLink
+from pd_dflash.engine.reference.link_rate import emulated_gbps, link_bytes_per_second
 from pd_dflash.engine.reference.memory import (
     device_available_bytes,
     host_available_bytes,
@@ -368,7 +369,7 @@ class ReferenceEngine(Engine):
                 LinkFacts("real", probe_bytes_per_second=self.probe_bytes_per_second),
             )
         else:
-            gbps = self.emulated_gbps(cell)
+            gbps = emulated_gbps(cell, self.options)
             link = HostLink(gbps, opts.emulated_latency_us)
             facts = LinkFacts(
                 link.kind,
@@ -400,19 +401,10 @@ class ReferenceEngine(Engine):
         self.target.sync_hook = runtime.synchronize
         return runtime, facts
 
-    def emulated_gbps(self, cell: Cell) -> float | None:
-        """The cell's emulated link rate: its ablation value, else the model's option."""
-        return cell.ablation.get("emulated_h2d_gbps", self.options.emulated_h2d_gbps)
-
     def link_bytes_per_second(self, cell: Cell) -> float | None:
-        """The link's rate for one expert transfer, as the engine knows it before a cell: the emulated rate with
-        its per-transfer latency, or the CUDA probe; None for an un-emulated host copy (no device link)."""
-        nbytes, gbps = self.store.expert_nbytes, self.emulated_gbps(cell)
-        if self.device.type == "cuda":
-            return self.probe_bytes_per_second
-        if gbps:
-            return nbytes / (nbytes / (gbps * 1e9) + self.options.emulated_latency_us * 1e-6)
-        return None
+        """``link_rate.link_bytes_per_second`` of this engine's device and store."""
+        cuda, probe = self.device.type == "cuda", self.probe_bytes_per_second
+        return link_bytes_per_second(cell, self.options, self.store.expert_nbytes, cuda=cuda, probe=probe)
 
     def _requests(self, cell: Cell, n: int, *, max_new: int, stream: int, tag: str) -> list[Request]:
         wl = self.ctx.workload
