@@ -36,3 +36,17 @@ def ablation_settings(spec: Any, model: Any) -> list[dict[str, float]]:
     for name, values in axes.items():
         settings = [{**s, name: float(v)} for s in settings for v in values]
     return settings
+
+
+def identity_of(
+    model: str,
+    baseline: str,
+    block_size: int,
+    concurrency: int,
+    repeat: int,
+    ablation: dict[str, float] | None,
+) -> tuple:
+    """A row's identity: upstream's ``(model, baseline, block_size, concurrency, repeat)``, plus the sorted
+    ablation values when the spec has list-valued axes (one rule for cells, rows and the report)."""
+    base = (model, baseline, block_size, concurrency, repeat)
+    return base + tuple(sorted(ablation.items())) if ablation else base

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pd_dflash.ablation import group_model
+from pd_dflash.ablation import group_model, identity_of
 from pd_dflash.errors import InputError, excerpt, format_validation_error
 from pd_dflash.spec import Cell
 from pd_dflash.upstream import RATIO_METRICS, REQUIRED_METRICS, ROUTE_AHEAD_KEYS, Baseline
@@ -293,8 +293,9 @@ class Row(EngineResult):
     @property
     def identity(self) -> tuple:
         """Upstream's ``(model, baseline, block_size, concurrency, repeat)``, plus the ablation values if any."""
-        base = (self.model, self.baseline, self.block_size, self.concurrency, self.repeat)
-        return base + tuple(sorted(self.ablation.items())) if self.ablation else base
+        return identity_of(
+            self.model, self.baseline, self.block_size, self.concurrency, self.repeat, self.ablation
+        )
 
     @property
     def group_model(self) -> str:

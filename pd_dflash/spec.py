@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pd_dflash.ablation import ablation_settings, group_model
+from pd_dflash.ablation import ablation_settings, group_model, identity_of
 from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.safe_load import decode_utf8, load_yaml
 from pd_dflash.upstream import (
@@ -307,8 +307,9 @@ class Cell(_Strict):
     @property
     def identity(self) -> tuple:
         """Upstream's ``(model, baseline, block_size, concurrency, repeat)``, plus the ablation values if any."""
-        base = (self.model, self.baseline, self.block_size, self.concurrency, self.repeat)
-        return base + tuple(sorted(self.ablation.items())) if self.ablation else base
+        return identity_of(
+            self.model, self.baseline, self.block_size, self.concurrency, self.repeat, self.ablation
+        )
 
     @property
     def group_model(self) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pd_dflash.ablation import group_model
+from pd_dflash.ablation import group_model, identity_of
 from pd_dflash.costmodel import evaluate_hide_inequality
 from pd_dflash.schema import MEASURED_STATUSES, Row, Status
 from pd_dflash.upstream import REQUIRED_METRICS
@@ -93,8 +93,9 @@ class RowBrief:
     @property
     def identity(self) -> tuple:
         """Upstream's identity, plus the ablation values if any (``Row.identity``)."""
-        base = (self.model, self.baseline, self.block_size, self.concurrency, self.repeat)
-        return base + tuple(sorted(self.ablation.items())) if self.ablation else base
+        return identity_of(
+            self.model, self.baseline, self.block_size, self.concurrency, self.repeat, self.ablation
+        )
 
     @property
     def group_model(self) -> str:
