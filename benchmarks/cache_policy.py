@@ -50,25 +50,30 @@ def record(spec_path: str, baseline: str, block_size: int, concurrency: int, evi
     engine = engine_for(spec)
     try:
         row = Row.from_result(cells[0], engine.run_cell(cells[0]))
-        trace, slots = engine.last_trace
+        trace, slots, timeline = engine.last_trace
+        rate = engine.link_bytes_per_second(cells[0])
     finally:
         engine.close()
     ec = row.engine["expert_cache"]
     return {
         "trace": trace,
         "slots": slots,
+        "timeline": timeline,
+        "transfer_seconds": engine.store.expert_nbytes / rate if rate else None,
         "engine": {
             "eviction": ec["policy"],
             "h2d_transfers": ec["h2d_transfers"],
             "demand_transfers": ec["demand_transfers"],
             "prefetch_transfers": ec["prefetch_transfers"],
             "generated_tokens": row.generated_tokens,
+            "recall": row.route_ahead_prefetch_coverage,
+            "in_time": row.prefetched_in_time_coverage,
         },
     }
 
 
 def main() -> int:
-    from pd_dflash.engine.reference.cache_replay import POLICIES, accesses, replay
+    from pd_dflash.engine.reference.cache_replay import POLICIES, accesses, clairvoyant_in_time, replay
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", default="jobs/cpu_reference.yaml")
@@ -104,8 +109,19 @@ def main() -> int:
             f"{eng['prefetch_transfers']} prefetched), {eng['h2d_transfers'] / eng['generated_tokens']:.2f} "
             f"experts moved per generated token"
         )
+    bound = None
+    if rec.get("timeline") and rec.get("transfer_seconds"):
+        bound = clairvoyant_in_time(trace, rec["timeline"], slots, rec["transfer_seconds"])
+        print(
+            f"  clairvoyant prefetch on the recorded compute timeline ({rec['transfer_seconds'] * 1e3:.2f} ms per "
+            f"expert): in time {bound['in_time'] / bound['actual']:.3f} of the accesses the predictor named "
+            f"({bound['landed'] / bound['actual']:.3f} with perfect prediction), {bound['loads']} loads, "
+            f"{bound['stall_seconds']:.3f} s stalled"
+        )
+        if eng and eng.get("in_time") is not None:
+            print(f"  engine: prediction recall {eng['recall']:.3f}, prefetched in time {eng['in_time']:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({**rec, "misses": misses}) + "\n")
+        Path(args.json).write_text(json.dumps({**rec, "misses": misses, "clairvoyant": bound}) + "\n")
     return 0
 
 

@@ -47,6 +47,7 @@ def summarize(row) -> dict:
         "tokens_per_second": row.output_tokens_per_second,
         "tau": row.acceptance_length_a,
         "coverage": row.route_ahead_prefetch_coverage,
+        "predicted_over_actual": (row.engine.get("prediction") or {}).get("predicted_over_actual"),
         "in_time_coverage": row.prefetched_in_time_coverage,
         "experts_moved_per_token": ec["experts_moved_per_token"],
         "wasted_prefetch_bytes": row.wasted_prefetch_bytes,
@@ -208,13 +209,13 @@ def print_compare(cmp: dict) -> None:
         f"{cmp['cache_fraction']:.0%}, emulated link {cmp['emulated_h2d_gbps']} GB/s + {cmp['emulated_latency_us']} us, "
         f"drafter {cmp['drafter']['kind']}, medians over {cmp['repeats']} repeat(s)"
     )
-    header = (
-        "  B  c  conf   tok/s  /B0    tau  recall  in-time  waste MB  hit    exposed  experts/tok  req/fwd"
-    )
+    header = "  B  c  conf   tok/s  /B0    tau  recall  |P|/|A|  in-time  waste MB  hit    exposed  experts/tok  req/fwd"
     for group in cmp["table"]:
         print(header)
         for baseline, r in group["configurations"].items():
             cov = "   -   " if r["coverage"] is None else f"{r['coverage']:6.3f}"
+            pa = r.get("predicted_over_actual")
+            cov += "     -  " if pa is None else f"  {pa:6.2f}"
             cov += "    -   " if r["in_time_coverage"] is None else f"  {r['in_time_coverage']:6.3f}"
             print(
                 f"{group['block_size']:3d} {group['concurrency']:2d}  {baseline:4s} {r['tokens_per_second']:7.1f} "

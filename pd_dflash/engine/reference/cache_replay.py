@@ -8,11 +8,15 @@ acquired stay pinned until the layer ends (as in the engine). ``plan`` is the en
 ``use_prediction`` the round's predicted keys are reserved at round start (what route-ahead gives the cache),
 without it the plan knows only the last round's set (B0/B1/B2's history-only plan).
 
+``clairvoyant_in_time`` replays the same trace on its recorded compute timeline with a link: the
+prefetched-in-time coverage a policy that knows the future reaches with the cell's slots and link rate.
+
 Pure Python (no torch).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 
 from pd_dflash.engine.reference.cache_plan import RoundPlan
@@ -96,3 +100,109 @@ def _next_uses(flat: list[tuple[int, int, Key]]) -> list[float]:
         out[t] = following.get(key, float("inf"))
         following[key] = t
     return out
+
+
+def clairvoyant_in_time(
+    trace: Trace,
+    timeline: Sequence[Sequence[tuple[float, float, float]]],
+    slots: int,
+    transfer_seconds: float,
+) -> dict:
+    """Prefetched-in-time coverage of a clairvoyant policy on a recorded trace and its compute timeline.
+
+    It knows every future access. One link moves one expert per ``transfer_seconds`` and never idles while a
+    load would help: it loads the absent key needed soonest, into a free slot or over the resident key needed
+    latest (Belady), as long as that key is needed later than the loaded one. Compute runs as recorded (the
+    time between MoE layers, and each layer's time minus what it waited for a transfer): a layer starts when
+    every expert it needs has landed (it waits for the late ones); its experts stay pinned while it computes.
+    An access is in time when its expert has landed when its layer starts, and it counts (as in the engine's
+    metric) only if the engine's predictor named it. Returns ``in_time`` (predicted and in time), ``landed``
+    (in time, predicted or not), ``actual`` accesses, ``loads`` and ``stall_seconds``."""
+    instants = _instants(trace, timeline)
+    uses: dict[Key, list[int]] = {}
+    for p, (_, _, keys, _) in enumerate(instants):
+        for k in keys:
+            uses.setdefault(k, []).append(p)
+    sim = _Clairvoyant(instants, uses, slots, transfer_seconds)
+    return sim.run()
+
+
+def _instants(trace: Trace, timeline) -> list[tuple[float, float, list[Key], set[Key]]]:
+    """Per MoE layer of every round, in order: (compute before it, its own compute, keys, predicted keys)."""
+    if len(trace) != len(timeline) or any(len(a) != len(b) for a, b in zip(trace, timeline, strict=True)):
+        raise ValueError(
+            "the timeline must have one (start, end, waited) per layer of every round of the trace"
+        )
+    out, prev_end = [], None
+    for rnd, times in zip(trace, timeline, strict=True):
+        for (layer, needed, predicted), (start, end, waited) in zip(rnd, times, strict=True):
+            gap = 0.0 if prev_end is None else max(0.0, start - prev_end)
+            keys = [(layer, e) for e in needed]
+            out.append((gap, max(0.0, end - start - waited), keys, {(layer, e) for e in predicted}))
+            prev_end = end
+    return out
+
+
+class _Clairvoyant:
+    def __init__(self, instants, uses, slots: int, transfer_seconds: float) -> None:
+        if slots < 1 or not transfer_seconds > 0:
+            raise ValueError("slots must be >= 1 and transfer_seconds > 0")
+        self.instants, self.uses, self.slots, self.tau = instants, uses, slots, transfer_seconds
+        self.ready: dict[Key, float] = {}  # resident key -> when its transfer lands
+        self.link_free = 0.0
+        self.loads = 0
+
+    def next_use(self, key: Key, p: int) -> float:
+        """The first instant ≥ p that needs ``key`` (inf: never)."""
+        times = self.uses.get(key, ())
+        i = bisect_left(times, p)
+        return times[i] if i < len(times) else float("inf")
+
+    def load(self, key: Key, at: float, pinned: set[Key], p: int) -> float:
+        """Start loading ``key`` once the link is free (evicting the resident key needed latest); its landing."""
+        if len(self.ready) >= self.slots:
+            victim = max((k for k in self.ready if k not in pinned), key=lambda k: self.next_use(k, p))
+            del self.ready[victim]
+        self.link_free = max(self.link_free, at) + self.tau
+        self.ready[key] = self.link_free
+        self.loads += 1
+        return self.link_free
+
+    def prefetch(self, start: float, until: float, p: int, pinned: set[Key]) -> None:
+        """Keep the link busy in [start, until) with loads that beat their victim (Belady)."""
+        while max(self.link_free, start) < until:
+            want = next(
+                (k for q in range(p, len(self.instants)) for k in self.instants[q][2] if k not in self.ready),
+                None,
+            )
+            if want is None:
+                return
+            if len(self.ready) >= self.slots:
+                free = [k for k in self.ready if k not in pinned]
+                if not free or max(self.next_use(k, p) for k in free) <= self.next_use(want, p):
+                    return
+            self.load(want, start, pinned, p)
+
+    def run(self) -> dict:
+        t, in_time, landed, actual, stall = 0.0, 0, 0, 0, 0.0
+        for p, (gap, compute, keys, predicted) in enumerate(self.instants):
+            self.prefetch(t, t + gap, p, set())
+            t += gap
+            pinned, start = set(keys), t
+            for k in keys:
+                if k in self.ready and self.ready[k] <= t:
+                    landed += 1
+                    in_time += k in predicted
+                else:
+                    start = max(start, self.ready[k] if k in self.ready else self.load(k, t, pinned, p))
+            actual += len(keys)
+            self.prefetch(t, start + compute, p + 1, pinned)
+            stall += start - t
+            t = start + compute
+        return {
+            "in_time": in_time,
+            "landed": landed,
+            "actual": actual,
+            "loads": self.loads,
+            "stall_seconds": stall,
+        }

@@ -13,6 +13,7 @@ enqueues a whole layer ahead of the GPU.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -101,6 +102,9 @@ class OffloadRuntime:
         #: The verify access trace since the last reset: per round, per MoE layer (layer, experts needed in
         #: acquisition order, experts predicted). ``benchmarks/cache_policy.py`` replays it offline.
         self.trace: list[list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = []
+        #: The trace's timeline: per round, per MoE layer (start, end, seconds compute waited for a transfer) on
+        #: the host clock (``cache_replay.clairvoyant_in_time`` replays the trace on it).
+        self.timeline: list[list[tuple[float, float, float]]] = []
 
     def attach(self, model: nn.Module) -> None:
         for layer in model.model.layers:
@@ -114,7 +118,7 @@ class OffloadRuntime:
         self.stats = RouteAheadStats()
         self.needed_per_round, self.occupancy_per_round = [], []
         self.per_layer = {}
-        self.in_time, self.trace = [0, 0], []
+        self.in_time, self.trace, self.timeline = [0, 0], [], []
 
     # -- decode-loop hooks -------------------------------------------------------------------------------------
     def plan(self, blocks) -> bool:
@@ -122,7 +126,7 @@ class OffloadRuntime:
         plan = getattr(self.prefetcher, "plan", None)
         if plan is None:
             return False
-        plan(blocks)
+        plan(blocks, self.cache)
         self.prefetcher.after_plan(self.cache, blocks)
         return True
 
@@ -133,6 +137,7 @@ class OffloadRuntime:
         self.round_needed, self.in_round, self._observed = 0, True, set()
         self._round_in_time = [0, 0]
         self.trace.append([])
+        self.timeline.append([])
         if self.prefetcher is not None:
             self.prefetcher.begin_round(self.cache, owners)
 
@@ -189,6 +194,7 @@ class OffloadRuntime:
     ) -> None:
         """Fetch and compute layer ``layer``'s routed experts; ``compute(expert, weights, rows)`` gets the
         expert's entries in the stable sort of the routing by expert id."""
+        start, waited = time.perf_counter(), self.cache.counters.exposed_seconds
         top_k_index = self.routing_to_host(top_k_index)
         experts, counts = torch.unique(top_k_index, return_counts=True)  # ascending, like the eager path
         needed = experts.tolist()
@@ -229,6 +235,10 @@ class OffloadRuntime:
         done = getattr(prefetcher, "layer_done", None)
         if done is not None:
             done(self.cache, layer)
+        if observe:
+            self.timeline[-1].append(
+                (start, time.perf_counter(), self.cache.counters.exposed_seconds - waited)
+            )
 
     def _observe(self, layer: int, needed: list[int], top_k_index: torch.Tensor) -> frozenset[int]:
         """A verify layer starts: statistics, the plan, the trace; returns the layer's predicted experts."""

@@ -29,8 +29,11 @@ predicts from the router pass alone.
 
 1. at the end of a verify (``end_round``), each continuing request's history — its non-resident keys go on the
    link while the next block is drafted;
-2. right after the router pass (``plan``), the new blocks' predicted keys, before scheduling and admission;
-3. at the verify (``begin_round``), whatever of the verified blocks' prediction could not be issued yet, and
+2. as soon as a block is drafted (``plan``, before the first MoE layer's exact gate input is computed), its
+   deeper layers' keys from the drafter's hidden states (only rows the cost-aware width may keep);
+3. right after the router pass (``after_plan``), the exact first layer's keys and the rest of the new blocks'
+   prediction, before scheduling and admission;
+4. at the verify (``begin_round``), whatever of the verified blocks' prediction could not be issued yet, and
    after every verify layer again (``after_layer``, ``layer_done``): a prefetch that finds no victim it may take
    (every other slot reserved for a layer still to run) waits until a layer has run and frees its keys.
 
@@ -104,6 +107,7 @@ class RouteAheadPrefetcher:
             "waited_for_a_slot": 0,
             "late": 0,
             "history_issued": 0,
+            "early_issued": 0,
         }
 
     def describe(self) -> dict:
@@ -118,14 +122,27 @@ class RouteAheadPrefetcher:
 
     # -- router pass -------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def plan(self, blocks: list[Block]) -> None:
-        """Predict each block's experts per layer (one router call per layer over all blocks' rows)."""
+    def plan(self, blocks: list[Block], cache=None) -> None:
+        """Predict each block's experts per layer (one router call per layer over all blocks' rows). With the
+        ``cache``, a drafted block's deeper layers (predicted from the drafter's hidden states, which exist as
+        soon as the block is drafted) are issued BEFORE the first MoE layer's exact gate input is computed."""
         if not blocks:
             return
         with nvtx_range("route_ahead_router"):
+            drafted = [b for b in blocks if b.route_hidden is not None]
+            deeper = self.layer_ids[1:]
+            early = self._route(drafted, deeper) if drafted and deeper else []
+            if cache is not None and early:
+                self._issue_early(drafted, early, cache)
             self._exact_first_layer(blocks)
-            for b, rows in zip(blocks, self._route(blocks), strict=True):
-                rid = b.request.rid
+            late = dict(zip(map(id, drafted), self._route(drafted, self.layer_ids[:1]), strict=True))
+            rest = [b for b in blocks if id(b) not in late]
+            late.update(zip(map(id, rest), self._route(rest, self.layer_ids), strict=True))
+            early_of = dict(zip(map(id, drafted), early, strict=True))
+            for b in blocks:
+                rid, rows = b.request.rid, late[id(b)]
+                for i, keys in enumerate(early_of.get(id(b), ())):
+                    rows[i] |= keys
                 self.row_keys[rid], self.exact[rid] = rows, frozenset(b.gate_inputs)
                 self.routes[rid] = _union_per_layer(rows, self.layer_ids)
                 if b.prefill:
@@ -133,6 +150,22 @@ class RouteAheadPrefetcher:
                 else:
                     self._prefill.discard(rid)
             self._pending_sure = None
+
+    def _issue_early(self, blocks: list[Block], rows: list[list[set[Key]]], cache) -> None:
+        """The deeper layers' predicted keys of freshly drafted blocks, issued in layer order while the exact
+        first layer is still to compute. With the cost-aware width, only rows the cut may keep: the rows before
+        the cut the deeper layers alone already call for (the exact layer only adds bytes, so the final cut is
+        never later)."""
+        keys: set[Key] = set()
+        for block_rows in rows:
+            keep = len(block_rows)
+            if self.width is not None:
+                new = new_bytes_per_row(block_rows, cache.contains, self.expert_nbytes, cache.num_slots)
+                keep = self.width.width(new, count=False)
+            keys.update(k for row in block_rows[:keep] for k in row)
+        self.counters["early_issued"] += sum(1 for k in keys if not cache.contains(k))
+        self._enqueue(keys)
+        self._pump(cache)
 
     def _exact_first_layer(self, blocks: list[Block]) -> None:
         """The first MoE layer's exact gate input (its attention on the request's cache) for blocks without one;
@@ -150,22 +183,25 @@ class RouteAheadPrefetcher:
                 b.route_hidden = residual[0, row : row + n]
             row += n
 
-    def _route(self, blocks: list[Block]) -> list[list[set[Key]]]:
-        """Per block, per row, its predicted (layer, expert) keys: from the exact gate input where the block has
-        one, else from the proxy hidden state ``Block.route_hidden`` through the layer's own norm and router.
-        (A source of better proxies — e.g. a drafter's own hidden states per layer — plugs in by filling
-        ``Block.route_hidden`` or ``Block.gate_inputs``.)"""
+    def _route(self, blocks: list[Block], layers: Sequence[int]) -> list[list[set[Key]]]:
+        """Per block, per row, its predicted (layer, expert) keys of ``layers``: from the exact gate input where
+        the block has one, else from the proxy hidden state ``Block.route_hidden`` through the layer's own norm
+        and router. (A source of better proxies — e.g. a drafter's own hidden states per layer — plugs in by
+        filling ``Block.route_hidden`` or ``Block.gate_inputs``.)"""
         spans, start = [], 0
         for b in blocks:
             spans.append((start, start + len(b.tokens)))
             start += len(b.tokens)
-        stacked = torch.cat([b.route_hidden for b in blocks])
         rows: list[list[set[Key]]] = [[set() for _ in range(e - s)] for s, e in spans]
-        for layer in self.layer_ids:
+        if not blocks:
+            return rows
+        stacked = None
+        for layer in layers:
             exact = [b.gate_inputs.get(layer) for b in blocks]
             if all(x is not None for x in exact):
                 x = torch.cat(exact)
             else:
+                stacked = torch.cat([b.route_hidden for b in blocks]) if stacked is None else stacked
                 x = self.norms[layer](stacked)
                 for j, (s, e) in enumerate(spans):
                     if exact[j] is not None:
@@ -191,6 +227,8 @@ class RouteAheadPrefetcher:
             for b in blocks:
                 if not b.prefill:
                     self._cut(b, cache)
+            wanted = {k for rid in {*self.routes, *self.history} for k in self.keys(rid)}
+            self._queue &= wanted  # early keys of rows the cut dropped, not issued yet
         for b in blocks:
             self._enqueue(self.keys(b.request.rid))
         self._pump(cache)

@@ -68,18 +68,19 @@ class CostAwareWidth:
             p *= rate
         return p
 
-    def width(self, new_bytes: Sequence[int]) -> int:
+    def width(self, new_bytes: Sequence[int], *, count: bool = True) -> int:
         """How many rows of a block to verify, given each row's new bytes: the anchor and the first draft always
-        stay (a verify round proposes at least one draft)."""
-        self.blocks += 1
+        stay (a verify round proposes at least one draft). ``count=False``: a look-ahead (route-ahead's early
+        issue), not a decision: the counters stay."""
+        self.blocks += count
         if self.seconds_per_token is None or not self.reached:
             return len(new_bytes)
         for i in range(2, len(new_bytes)):
             p = self.survival(i)
             wasted = (1.0 - p) * new_bytes[i] / self.link_bytes_per_second
             if wasted > p * self.seconds_per_token:
-                self.blocks_cut += 1
-                self.rows_cut += len(new_bytes) - i
+                self.blocks_cut += count
+                self.rows_cut += (len(new_bytes) - i) * count
                 return i
         return len(new_bytes)
 

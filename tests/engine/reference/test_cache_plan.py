@@ -8,7 +8,7 @@ import time
 import torch
 
 from pd_dflash.engine.reference.cache_plan import COMPUTED, HISTORY, NOT_WANTED, NOW, PREDICTED, RoundPlan
-from pd_dflash.engine.reference.cache_replay import replay
+from pd_dflash.engine.reference.cache_replay import clairvoyant_in_time, replay
 from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.link import HostLink
 from pd_dflash.engine.reference.metrics import experts_moved_per_token
@@ -157,4 +157,46 @@ def test_prefetched_in_time_coverage_by_hand():
     assert (runtime.stats.covered_experts, runtime.stats.actual_experts) == (2, 3)
     assert cache.counters.inflight_hits == 1 and cache.counters.misses == 1
     assert computed == [0, 2, 3]
+    runtime.close()
+
+
+def test_clairvoyant_in_time_by_hand():
+    """Two layers, 2 slots, 1 s per expert on the link. By hand (t = 0 at the first layer, cache empty):
+    p0 needs (0,0): absent, loaded 0-1 s, stall 1 s; while it computes (1-2.5 s) the link loads (1,0) (1-2 s), the
+    next key needed. p1 (gap 0.5 s, starts at 3 s): (1,0) landed, predicted: in time. Nothing else beats its
+    victim (the free keys are needed before (1,1)). p2's gap (4-6 s): (1,0) is never needed again, so (1,1)
+    replaces it (4-5 s). p2 at 6 s: (0,0) in time. p3 at 7 s: (1,1) landed but not predicted: landed, not
+    counted. 2 of 4 accesses in time, 3 landed, 3 loads, 1 s stalled."""
+    trace = [
+        [(0, (0,), (0,)), (1, (0,), (0,))],
+        [(0, (0,), (0,)), (1, (1,), ())],
+    ]
+    timeline = [
+        [(0.0, 2.5, 1.0), (3.0, 4.0, 0.0)],  # computes 1.5 s and 1 s; 0.5 s between them
+        [(6.0, 7.0, 0.0), (7.0, 8.0, 0.0)],  # 2 s before the round (draft, router)
+    ]
+    got = clairvoyant_in_time(trace, timeline, 2, 1.0)
+    assert got == {"in_time": 2, "landed": 3, "actual": 4, "loads": 3, "stall_seconds": 1.0}
+    # 4 slots: (1,1) is loaded early (2-3 s, a free slot) instead of over (1,0): the same counts.
+    assert clairvoyant_in_time(trace, timeline, 4, 1.0) == got
+    # A link too slow to hide anything: every load stalls its layer.
+    slow = clairvoyant_in_time(trace, timeline, 2, 10.0)
+    assert (slow["in_time"], slow["landed"], slow["loads"]) == (1, 1, 3)
+
+
+def test_the_runtime_records_each_layer_on_the_timeline():
+    """One (start, end, waited) per MoE layer of the round, in order; the waits add up to the cache's exposed
+    seconds (counted a second way, by the cache)."""
+    s = store(layers=2, experts=4)
+    gbps = s.expert_nbytes / 0.02 / 1e9  # 20 ms per expert on the link
+    cache = ExpertCache(s, s.total_bytes - s.expert_nbytes, CPU, torch.float32, link=HostLink(gbps))
+    runtime = OffloadRuntime(s, cache, HandPrefetcher({}, []))
+    runtime.begin_round([("r", 1)])
+    runtime.run_layer(0, torch.tensor([[0]]), lambda *a: None)
+    runtime.run_layer(1, torch.tensor([[2, 3]]), lambda *a: None)
+    runtime.end_round(kept_rows=1)
+    ((first, second),) = runtime.timeline
+    assert first[0] <= first[1] <= second[0] <= second[1]
+    assert first[2] >= 0.015 and second[2] >= 0.03  # one expert, then two, fetched on demand
+    assert abs(first[2] + second[2] - cache.counters.exposed_seconds) < 1e-9
     runtime.close()

@@ -31,6 +31,9 @@ def test_the_block_is_cut_before_the_first_row_not_worth_its_bytes():
     assert w.width([999, 10**9, 40, 200]) == 3
     assert (w.blocks_cut, w.rows_cut) == (1, 1)
     assert w.width([0, 0, 0, 0]) == 4
+    # A look-ahead (route-ahead's early issue) gives the same answer and leaves the counters alone.
+    assert w.width([999, 10**9, 40, 200], count=False) == 3
+    assert (w.blocks, w.blocks_cut, w.rows_cut) == (3, 1, 1)
 
 
 def test_new_bytes_per_row_counts_each_missing_key_once():
