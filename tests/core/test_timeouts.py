@@ -35,9 +35,9 @@ FOREVER = textwrap.dedent(
 def test_a_test_that_sleeps_forever_fails_by_timeout(tmp_path):
     (tmp_path / "test_forever.py").write_text(FOREVER)
     # The repository's own pytest configuration (timeout method, markers), with the default limit lowered to 2 s.
+    config = ["-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path), "-p", "no:cacheprovider"]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path)]
-        + ["-p", "no:cacheprovider", "-o", "timeout=2", "-v", str(tmp_path / "test_forever.py")],
+        [sys.executable, "-m", "pytest", *config, "-o", "timeout=2", "-v", str(tmp_path / "test_forever.py")],
         cwd=REPO,
         capture_output=True,
         text=True,
