@@ -9,7 +9,7 @@ VENV_FLAGS := $(if $(filter 1,$(VENV_SYSTEM_SITE)),--system-site-packages,)
 RUN_SPEC ?= jobs/cpu_reference.yaml
 RUN_OUT ?= results/cpu_reference
 
-.PHONY: run test lint format venv clean mutate
+.PHONY: run test lint format venv clean dflash-official-env mutate
 
 venv: $(STAMP)
 
@@ -48,6 +48,11 @@ mutate: $(STAMP)
 	rm -rf mutants
 	PD_DFLASH_CACHE="$${PD_DFLASH_CACHE:-$(CURDIR)/.cache/pd-dflash}" $(BIN)/mutmut run --max-children $(MUTATE_JOBS)
 	$(BIN)/python scripts/mutation_score.py
+
+# The official DFlash package in its own environment (it cannot share .venv: docs/reference-engine.md); the
+# drafter parity test runs it live when present, and `scripts/dflash_parity.py fixture` regenerates its fixture.
+dflash-official-env:
+	scripts/dflash_official_env.sh .cache/dflash-official
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache mutants

@@ -5,7 +5,7 @@ job's RAY_ADDRESS) and writes the results to an absolute directory on the head b
         python jobs/phase_a.py --spec jobs/phase_a.yaml --out /abs/results/phase-a
 
 Other flags are `pd-dflash run`'s (--resume, --restart, --retry-errors, --max-attempts, --cell-timeout,
---no-progress, --address); see docs/running-on-a-cluster.md.
+--no-progress, --address, --insecure for a cluster without token auth); see docs/running-on-a-cluster.md.
 """
 
 from __future__ import annotations

@@ -18,25 +18,25 @@ from pd_dflash.errors import InputError
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from pd_dflash.spec import load_spec, plan, render_plan
+    from pd_dflash.engine import registry
+    from pd_dflash.plan import plan_summary, render_plan, write_plan_json
 
-    spec = load_spec(args.spec)
-    planned = plan(spec)
+    spec = registry.load_checked_spec(args.spec)
+    blocked = registry.plan_blocked_reason(spec.engine)
+    notes = registry.plan_notes(spec)
     if args.json:
-        print(
-            json.dumps(
-                {"cells": planned["cells"], "counts": planned["counts"], "blocked": planned["blocked"]}
-            )
-        )
+        write_plan_json(spec, sys.stdout, blocked, notes)
     else:
-        print(render_plan(spec, planned))
+        print(render_plan(spec, plan_summary(spec, blocked), notes))
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
+    from pd_dflash.engine.registry import load_checked_spec
     from pd_dflash.report import effective_gates, read_inputs, write_outputs
 
-    gates, spec = effective_gates(args.spec, args.allow_blocked or (), args.allow_unmeasured or ())
+    spec = load_checked_spec(args.spec) if args.spec else None
+    gates = effective_gates(spec, args.allow_blocked or (), args.allow_unmeasured or ())
     rows, sources = read_inputs(args.inputs)
     try:
         verdict = write_outputs(rows, args.out, gates, plots=bool(args.plots), spec=spec, sources=sources)
@@ -58,6 +58,13 @@ def _validate(args: argparse.Namespace) -> int:
     good = sum(r["valid"] for r in results.values())
     print(f"validate: {good}/{len(results)} groups valid")
     return 0 if results and good == len(results) else 1
+
+
+def _directory(value: str) -> str:
+    """``--out``: a path, never the empty string (which would silently mean the working directory)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must name a directory, got an empty string")
+    return value
 
 
 def _lazy(target: str) -> Callable[[argparse.Namespace], int]:
@@ -85,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="turn row files into result matrices, gates and a go/no-go verdict")
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="rows.jsonl files or upstream raw row files")
-    p.add_argument("--out", required=True, help="directory for result_matrix.json/.csv/.md")
+    p.add_argument("--out", required=True, type=_directory, help="directory for result_matrix.json/.csv/.md")
     p.add_argument("--spec", help="sweep spec whose gates to apply (default: built-in gate thresholds)")
     p.add_argument(
         "--allow-blocked",
@@ -112,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="run a sweep on a Ray cluster (local single-node cluster without --address)"
     )
     p.add_argument("spec", help="sweep spec (YAML)")
-    p.add_argument("--out", required=True, help="results directory (absolute on a cluster's head box)")
+    p.add_argument(
+        "--out", required=True, type=_directory, help="results directory (absolute on a cluster's head box)"
+    )
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local cluster)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="skip cells already stored in OUT (default)")
@@ -125,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-attempts", type=int, default=3, help="attempts per cell after runner deaths")
     p.add_argument("--cell-timeout", type=float, default=None, help="seconds before a cell is killed")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run on a cluster without token authentication (a warning instead of a refusal)",
+    )
     p.set_defaults(func=_lazy("pd_dflash.sweep.cli:run_main"))
 
     p = sub.add_parser("probe", help="device identity (NVML) and measured host-to-device bandwidth")

@@ -1,4 +1,4 @@
-"""The design's §7 cost model: the hide inequality and the BM1 router-cost check (pure arithmetic).
+"""The design's cost model: the hide inequality and the BM1 router-cost check (pure arithmetic; docs/metrics.md).
 
 Engines call :func:`evaluate_hide_inequality` with the terms they measured; the report re-evaluates it from
 the stored terms, so a row and its verdict can never disagree. BW is always a measured figure.
@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import math
 
-from pd_dflash.schema import HideInequality
+from pd_dflash.errors import excerpt
+from pd_dflash.schema import MAX_INT, HideInequality
 
 
 def _check(
     name: str, value: float, *, low: float = 0.0, high: float | None = None, strict: bool = False
 ) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a finite number, got {excerpt(value)}")
+    if isinstance(value, int) and abs(value) > MAX_INT:
+        raise ValueError(f"{name} must be at most 2**63 - 1, got {excerpt(value)}")
+    if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if value < low or (strict and value == low):
         raise ValueError(f"{name} must be {'>' if strict else '>='} {low}, got {value!r}")
@@ -41,6 +46,7 @@ def evaluate_hide_inequality(
     r = _check("resident_fraction", resident_fraction, high=1.0)
     s = _check("saturation", saturation, high=1.0)
     m = _check("total_expert_bytes", total_expert_bytes)
+    m = total_expert_bytes if isinstance(total_expert_bytes, int) else m  # bytes stay whole
     bw = _check("measured_h2d_bytes_per_second", measured_h2d_bytes_per_second, strict=True)
     draft = _check("draft_seconds", draft_seconds)
     router = _check("router_seconds", router_seconds)
@@ -60,13 +66,6 @@ def evaluate_hide_inequality(
         margin_seconds=window - fetch,
         hidden=fetch <= window,
     )
-
-
-def uniform_saturation(block_size: int, top_k: int, experts_per_layer: int) -> float:
-    """The design's planning figure s = min(1, B·k/E) (a bound; rows carry the measured saturation)."""
-    if experts_per_layer <= 0:
-        raise ValueError("experts_per_layer must be positive")
-    return min(1.0, block_size * top_k / experts_per_layer)
 
 
 def bm1_summary(t_router_seconds: float, t_verify_seconds: float) -> dict[str, float | bool]:

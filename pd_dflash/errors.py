@@ -6,6 +6,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+#: The longest message an InputError prints (an error quotes a bounded excerpt of its input, never all of it).
+MAX_MESSAGE = 2000
+
 
 class InputError(Exception):
     """A bad input (spec, row file, CLI argument). The message names the field path or the file and line."""
@@ -13,7 +16,12 @@ class InputError(Exception):
     exit_code = 2
 
     def __init__(self, message: str, *, where: str | None = None):
+        if len(message) > MAX_MESSAGE:
+            message = message[:MAX_MESSAGE] + f"... ({len(message) - MAX_MESSAGE} more characters)"
+        if where is not None and len(where) > MAX_MESSAGE // 4:
+            where = where[: MAX_MESSAGE // 4] + "..."
         self.where = where
+        self.message = message
         super().__init__(f"{where}: {message}" if where else message)
 
 
@@ -27,7 +35,7 @@ def format_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
         got = err.get("input", _MISSING)
-        shown = "" if got is _MISSING or err.get("type") == "missing" else f" (got {_short(got)})"
+        shown = "" if got is _MISSING or err.get("type") == "missing" else f" (got {excerpt(got)})"
         lines.append(f"{path or '<root>'}: {msg}{shown}")
     return "; ".join(lines)
 
@@ -35,6 +43,20 @@ def format_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
 _MISSING = object()
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+def excerpt(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error message quotes at most this much of an input.
+
+    Long strings and containers are cut before they are rendered, so quoting a huge input costs no more than
+    quoting a short one; an integer too long to print is described by its size.
+    """
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        value = value[:limit]
+    elif isinstance(value, (list, tuple)) and len(value) > limit:
+        value = type(value)(value[:limit])
+    elif isinstance(value, dict) and len(value) > limit:
+        value = dict(list(value.items())[:limit])
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int over Python's digit limit; a nesting too deep to render
+        text = f"<{type(value).__name__} too large to print>"
     return text if len(text) <= limit else text[: limit - 3] + "..."

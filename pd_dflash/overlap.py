@@ -1,6 +1,6 @@
 """`pd-dflash overlap`: upstream's BM4 host→device / compute overlap from ``nsys stats`` CSV exports.
 
-Inputs are the two reports upstream's ``parse_overlap`` reads (research/upstream-phase-a.md §4), exported with
+Inputs are the two reports upstream's ``parse_overlap`` reads (docs/operators.md §6), exported with
 ``nsys stats --report cuda_gpu_trace,nvtx_pushpop_trace --format csv --output <prefix> <rep>.nsys-rep``:
 
 - H2D memcpys: rows whose name mentions HtoD or "Host-to-Device" (``[CUDA memcpy HtoD]``,

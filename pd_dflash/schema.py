@@ -1,6 +1,6 @@
 """The row contract: one row of metrics per cell, compatible with upstream's Phase-A rows.
 
-Upstream (research/upstream-phase-a.md §2) fixes the identity ``(model, baseline, block_size, concurrency,
+Upstream's row fixes the identity ``(model, baseline, block_size, concurrency,
 repeat)``, the ten ``REQUIRED_METRICS`` in order and units, and the optional ``status``, ``warnings`` and
 ``cost_terms``. pd-dflash keeps all of them and adds fields; it never renames or drops one. The one rule that
 differs: a metric the engine cannot measure is *absent* (with a warning, status ``PARTIAL``), never a 0.0.
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pd_dflash.errors import InputError, format_validation_error
+from pd_dflash.errors import InputError, excerpt, format_validation_error
 from pd_dflash.spec import Cell
 from pd_dflash.upstream import RATIO_METRICS, REQUIRED_METRICS, ROUTE_AHEAD_KEYS, Baseline
 
@@ -45,10 +45,19 @@ REASON_REQUIRED = frozenset({Status.REFUSED, Status.ERROR, Status.TIMEOUT})
 FINAL_STATUSES = frozenset(Status) - FAILED_STATUSES
 
 
+#: The largest integer a row holds (a signed 64-bit count: bytes, tokens, ids); also the bound on int fields.
+MAX_INT = 2**63 - 1
+
+
 def check_number(name: str, value: Any, *, upper: float | None = None) -> int | float:
-    """A metric value: an int or float (never a bool), finite, non-negative, and at most ``upper``."""
+    """A metric value: an int or float (never a bool), finite, non-negative, and at most ``upper``.
+
+    An int stays an int (byte counts are whole numbers) and is at most :data:`MAX_INT`.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {excerpt(value)}")
+    if isinstance(value, int) and abs(value) > MAX_INT:
+        raise ValueError(f"{name} must be at most 2**63 - 1, got an integer of {_digits(value)} digits")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     if value < 0:
@@ -58,7 +67,16 @@ def check_number(name: str, value: Any, *, upper: float | None = None) -> int | 
     return value
 
 
+def _digits(value: int) -> str:
+    """Roughly how many decimal digits an int has (printing it may be impossible: Python stops at 4300)."""
+    return f"about {int(abs(value).bit_length() * 0.30103) + 1}"
+
+
 NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False, strict=False)]
+#: A whole count (bytes, tokens, transfers): a non-negative int that fits in 64 bits.
+Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+#: A byte figure: an int stays an int; a float (upstream writes some byte metrics as floats) stays a float.
+Bytes = Count | NonNegative
 
 
 class _Model(BaseModel):
@@ -68,7 +86,7 @@ class _Model(BaseModel):
 class LatencyStats(_Model):
     """Distribution of one latency over requests (or rounds). Percentiles interpolate linearly (numpy's default)."""
 
-    n: Annotated[int, Field(ge=1)]
+    n: Annotated[int, Field(ge=1, le=MAX_INT)]
     mean: NonNegative
     p50: NonNegative
     p90: NonNegative
@@ -104,7 +122,7 @@ class CostTerms(_Model):
     """Upstream's ``cost_terms`` keys first, then pd-dflash's transfer accounting."""
 
     route_ahead_coverage: NonNegative | None = None
-    wasted_prefetch_bytes: Annotated[int, Field(ge=0)] | NonNegative | None = None
+    wasted_prefetch_bytes: Bytes | None = None
     #: Measured host→device bandwidth in bytes/s (a probe or the measured rate of the cell's own transfers).
     measured_h2d_bytes_per_second: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
     #: How that bandwidth was obtained: "probe" (pinned 256 MiB × 20 copies), "transfers" (this cell's copies).
@@ -114,9 +132,9 @@ class CostTerms(_Model):
     h2d_link: Literal["real", "emulated", "host", "none"] | None = None
     emulated_h2d_gbps: NonNegative | None = None
     emulated_latency_us: NonNegative | None = None
-    h2d_bytes: Annotated[int, Field(ge=0)] | None = None
+    h2d_bytes: Count | None = None
     h2d_seconds: NonNegative | None = None
-    h2d_transfers: Annotated[int, Field(ge=0)] | None = None
+    h2d_transfers: Count | None = None
     #: Time compute waited for a transfer (the on-demand part of fetching).
     exposed_fetch_seconds: NonNegative | None = None
 
@@ -126,7 +144,7 @@ class HideInequality(_Model):
 
     resident_fraction: Annotated[float, Field(ge=0.0, le=1.0)]
     saturation: Annotated[float, Field(ge=0.0, le=1.0)]
-    total_expert_bytes: NonNegative
+    total_expert_bytes: Bytes
     measured_h2d_bytes_per_second: Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
     draft_seconds: NonNegative
     router_seconds: NonNegative
@@ -147,9 +165,10 @@ class EngineResult(_Model):
     goodput_at_slo: float | None = None
     expert_cache_hit_rate: float | None = None
     route_ahead_prefetch_coverage: float | None = None
-    wasted_prefetch_bytes: float | None = None
-    expert_occupancy_bytes: float | None = None
-    kv_occupancy_bytes: float | None = None
+    #: Byte metrics keep an int as an int (bytes are whole); upstream's float byte figures are accepted.
+    wasted_prefetch_bytes: int | float | None = None
+    expert_occupancy_bytes: int | float | None = None
+    kv_occupancy_bytes: int | float | None = None
 
     status: Status = Status.OK
     reason: str | None = None
@@ -165,12 +184,12 @@ class EngineResult(_Model):
     #: router_seconds, verify_seconds (per round).
     latency: dict[str, LatencyStats] = Field(default_factory=dict)
     #: Committed tokens per verify round (bonus included) → number of rounds.
-    acceptance_histogram: dict[int, Annotated[int, Field(ge=0)]] | None = None
+    acceptance_histogram: dict[Annotated[int, Field(ge=0, le=MAX_INT)], Count] | None = None
     #: Upstream RouteAheadStats.as_dict() of the configuration's prefetcher, keys in ROUTE_AHEAD_KEYS order.
     route_ahead: dict[str, int | float | None] | None = None
     hide_inequality: HideInequality | None = None
-    requests: Annotated[int, Field(ge=0)] | None = None
-    generated_tokens: Annotated[int, Field(ge=0)] | None = None
+    requests: Count | None = None
+    generated_tokens: Count | None = None
     timed_seconds: NonNegative | None = None
     #: Engine facts: name, version, preset, drafter, scheduler, link, model card, ... (free-form, JSON).
     engine: dict[str, Any] = Field(default_factory=dict)
@@ -236,17 +255,17 @@ class Row(EngineResult):
     model: Annotated[str, Field(min_length=1)]
     draft: str = ""
     baseline: Baseline
-    block_size: Annotated[int, Field(ge=1, strict=True)]
-    concurrency: Annotated[int, Field(ge=1, strict=True)]
-    repeat: Annotated[int, Field(ge=0, strict=True)] = 0
+    block_size: Annotated[int, Field(ge=1, le=MAX_INT, strict=True)]
+    concurrency: Annotated[int, Field(ge=1, le=MAX_INT, strict=True)]
+    repeat: Annotated[int, Field(ge=0, le=MAX_INT, strict=True)] = 0
 
     #: Absent on upstream rows.
     cell_id: str | None = None
     sweep: str | None = None
-    attempt: Annotated[int, Field(ge=1)] = 1
+    attempt: Annotated[int, Field(ge=1, le=MAX_INT)] = 1
     #: Block sizes whose report groups this row fills (B0/B3 are measured once for all of them).
-    block_sizes_covered: list[int] | None = None
-    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
+    block_sizes_covered: list[Annotated[int, Field(ge=1, le=MAX_INT)]] | None = None
+    max_new_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     #: Host, device, driver, package versions, git revision of the runner that measured the row.
     environment: dict[str, Any] | None = None
     #: Which runner measured it: node id/ip, GPU ids Ray assigned, actor pid.

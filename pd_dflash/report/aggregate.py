@@ -2,9 +2,10 @@
 
 Upstream keyed a group on (model, B, c) and could hold one row per baseline, so repeats could not be
 aggregated. Here every (group, baseline) holds its repeats; OK and PARTIAL repeats are averaged with pandas
-(mean, sample standard deviation, n, Student-t 95% interval) into one upstream-shaped row, and the raw repeats
-stay in it. B0/B3 rows measured once for several block sizes (``block_sizes_covered``) fill every group they
-cover. Definitions: docs/metrics.md.
+(mean, sample standard deviation, n, Student-t 95% interval) into one upstream-shaped row (the raw repeats
+are added when result_matrix.json is written: matrix_json.py). B0/B3 rows measured once for several block
+sizes (``block_sizes_covered``) fill every group they cover. Rows are held as :class:`RowBrief` summaries.
+Definitions: docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -17,43 +18,10 @@ from typing import Any
 
 import pandas as pd
 
-from pd_dflash.costmodel import evaluate_hide_inequality
 from pd_dflash.errors import InputError
-from pd_dflash.schema import FINAL_STATUSES, MEASURED_STATUSES, Row, Status
+from pd_dflash.report.brief import NUMERIC_COLUMNS, RowBrief, brief_of
+from pd_dflash.schema import FINAL_STATUSES, Row, Status
 from pd_dflash.upstream import BASELINE_ORDER, RATIO_METRICS, REQUIRED_METRICS
-
-#: Terms of the hide inequality a row stores (inputs of costmodel.evaluate_hide_inequality).
-HIDE_TERMS: tuple[str, ...] = (
-    "resident_fraction",
-    "saturation",
-    "total_expert_bytes",
-    "measured_h2d_bytes_per_second",
-    "draft_seconds",
-    "router_seconds",
-    "overlap_seconds",
-)
-#: Numeric row fields averaged over repeats besides the ten metrics (dotted = nested field).
-EXTRA_COLUMNS: tuple[str, ...] = (
-    "t_draft_seconds",
-    "t_router_seconds",
-    "t_verify_seconds",
-    "route_ahead.waste_ratio",
-    *(f"hide_inequality.{t}" for t in HIDE_TERMS),
-    "hide_inequality.fetch_seconds",
-    "hide_inequality.hide_window_seconds",
-    "hide_inequality.margin_seconds",
-    "latency.ttft_seconds.p50",
-    "latency.ttft_seconds.p99",
-    "latency.tpot_seconds.p50",
-    "latency.tpot_seconds.p99",
-    "cost_terms.measured_h2d_bytes_per_second",
-    "cost_terms.h2d_bytes",
-    "cost_terms.h2d_seconds",
-    "cost_terms.exposed_fetch_seconds",
-)
-NUMERIC_COLUMNS: tuple[str, ...] = (*REQUIRED_METRICS, *EXTRA_COLUMNS)
-#: Relative tolerance when comparing a row's stored hide-inequality results with the recomputed ones.
-HIDE_REL_TOL = 1e-6
 
 
 def group_key(model: str, block_size: int, concurrency: int) -> str:
@@ -125,20 +93,16 @@ def summary_stats(
 class Placed:
     """One row as it appears in one group (a B0/B3 row covering [8, 16] is placed twice)."""
 
-    row: Row
-    data: dict[str, Any]
+    row: RowBrief
     source: str
     #: The group's block size (the row's own ``block_size`` unless the row is shared).
     block_size: int
     #: Block sizes the row stands for when it covers more than one, else ().
     shared: tuple[int, ...]
-    #: The row's hide inequality recomputed from its stored terms, and a mismatch text if they disagree.
-    hide: dict[str, Any] | None
-    hide_mismatch: str | None
 
     @property
     def measured(self) -> bool:
-        return self.row.status in MEASURED_STATUSES
+        return self.row.measured
 
 
 @dataclass
@@ -161,7 +125,8 @@ class Matrix:
     groups: dict[str, Group]
     #: (group key, baseline) -> column -> summary_stats(...) over the measured repeats.
     stats: dict[tuple[str, str], dict[str, dict[str, Any]]]
-    #: group key -> baseline -> aggregated, upstream-shaped row (the content of result_matrix.json).
+    #: group key -> baseline -> aggregated, upstream-shaped row: result_matrix.json's content without
+    #: ``repeats`` and ``cost_terms``, which matrix_json.py adds from the rows themselves when it writes.
     rows: dict[str, dict[str, dict[str, Any]]]
     #: Failed rows (ERROR/TIMEOUT) replaced by a later row of the same identity: (old source, new source).
     superseded: list[tuple[str, str]]
@@ -172,32 +137,14 @@ class Matrix:
         return None if found is None else found["mean"]
 
 
-def _recompute_hide(row: Row) -> tuple[dict[str, Any] | None, str | None]:
-    stored = row.hide_inequality
-    if stored is None:
-        return None, None
-    try:
-        fresh = evaluate_hide_inequality(**{t: getattr(stored, t) for t in HIDE_TERMS})
-    except ValueError as exc:
-        return None, f"hide_inequality terms are invalid: {exc}"
-    problems = []
-    for name in ("fetch_seconds", "hide_window_seconds", "margin_seconds"):
-        a, b = getattr(stored, name), getattr(fresh, name)
-        if not math.isclose(a, b, rel_tol=HIDE_REL_TOL, abs_tol=1e-12):
-            problems.append(f"{name} stored {a:.6g}, recomputed {b:.6g}")
-    if stored.hidden != fresh.hidden:
-        problems.append(f"hidden stored {stored.hidden}, recomputed {fresh.hidden}")
-    return fresh.model_dump(), ("; ".join(problems) or None)
-
-
-def _describe(row: Row) -> str:
+def _describe(row: RowBrief) -> str:
     return (
         f"(model={row.model}, baseline={row.baseline}, block_size={row.block_size}, "
         f"concurrency={row.concurrency}, repeat={row.repeat})"
     )
 
 
-def place_rows(rows: Sequence[Row], sources: Sequence[str] | None = None) -> tuple[list[Placed], list]:
+def place_rows(rows: Sequence[RowBrief], sources: Sequence[str] | None = None) -> tuple[list[Placed], list]:
     """Every row in each group it fills. Duplicate identities are an InputError naming both sources.
 
     One exception, so a sweep's ``rows.jsonl`` after ``--retry-errors`` reads cleanly: an ERROR/TIMEOUT row
@@ -230,8 +177,6 @@ def place_rows(rows: Sequence[Row], sources: Sequence[str] | None = None) -> tup
                 f"block_sizes_covered {list(covered)} does not include the row's block_size {row.block_size}",
                 where=sources[i],
             )
-        data = row.to_json_dict()
-        hide, mismatch = _recompute_hide(row)
         shared = covered if len(covered) > 1 else ()
         here = sources[i] + (
             f" (row at block_size {row.block_size} shared across {list(covered)})" if shared else ""
@@ -244,52 +189,25 @@ def place_rows(rows: Sequence[Row], sources: Sequence[str] | None = None) -> tup
                     f"concurrency={row.concurrency}, repeat={row.repeat}): {seen[slot]} and {here}"
                 )
             seen[slot] = here
-            placed.append(Placed(row, data, sources[i], b, shared, hide, mismatch))
+            placed.append(Placed(row, sources[i], b, shared))
     return placed, superseded
 
 
 # -- aggregation ----------------------------------------------------------------------------------------
 
 
-def _dig(data: dict[str, Any], dotted: str) -> Any:
-    value: Any = data
-    for part in dotted.split("."):
-        if not isinstance(value, dict):
-            return None
-        value = value.get(part)
-    return value
+def _whole(value: float) -> int:
+    """A mean of whole byte counts, as a whole byte count (round half to even; the exact mean is in stats)."""
+    return round(value)
 
 
-def _record(p: Placed, key: str) -> dict[str, Any]:
-    rec: dict[str, Any] = {"key": key, "baseline": p.row.baseline}
-    for col in NUMERIC_COLUMNS:
-        if col.startswith("hide_inequality."):
-            value = None if p.hide is None else p.hide.get(col.split(".", 1)[1])
-        else:
-            value = _dig(p.data, col)
-        rec[col] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-    return rec
+def _aggregated_head(group: Group, baseline: str, repeats: list[Placed], stats: dict[str, dict]) -> dict:
+    """The upstream-shaped row of one (group, baseline) from its repeats' summaries.
 
-
-def _merge_cost_terms(repeats: list[Placed]) -> dict[str, Any] | None:
-    """Numeric keys: mean over the repeats that carry them; text keys: kept when every repeat agrees."""
-    values: dict[str, list[Any]] = {}
-    for p in repeats:
-        for k, v in (p.data.get("cost_terms") or {}).items():
-            if v is not None:
-                values.setdefault(k, []).append(v)
-    merged: dict[str, Any] = {}
-    for k, vs in values.items():
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs):
-            merged[k] = sum(vs) / len(vs)
-        elif len({str(v) for v in vs}) == 1:
-            merged[k] = vs[0]
-        else:
-            merged[k] = "mixed: " + ", ".join(sorted({str(v) for v in vs}))
-    return merged or None
-
-
-def _aggregated_row(group: Group, baseline: str, repeats: list[Placed], stats: dict[str, dict]) -> dict:
+    Upstream writes no ``status`` on an OK row (its ``evaluate_matrix`` counts any status as blocked), so an
+    aggregated OK row has none; other statuses are kept. A byte metric whose every measured repeat is an int
+    stays an int (the rounded mean; ``aggregate`` keeps the exact mean).
+    """
     first = repeats[0]
     measured = [p for p in repeats if p.measured]
     drafts = sorted({p.row.draft for p in repeats})
@@ -305,15 +223,13 @@ def _aggregated_row(group: Group, baseline: str, repeats: list[Placed], stats: d
     if measured:
         for m in REQUIRED_METRICS:
             if m in stats:
-                out[m] = stats[m]["mean"]
-        complete = all(m in out for m in REQUIRED_METRICS)
-        out["status"] = Status.OK.value if complete else Status.PARTIAL.value
-        for t in ("t_draft_seconds", "t_router_seconds", "t_verify_seconds"):
-            if t in stats:
-                out[t] = stats[t]["mean"]
-        cost_terms = _merge_cost_terms(measured)
-        if cost_terms:
-            out["cost_terms"] = cost_terms
+                whole = all(
+                    m in p.row.whole_metrics for p in measured if p.row.numbers[_COLUMN[m]] is not None
+                )
+                out[m] = _whole(stats[m]["mean"]) if whole else stats[m]["mean"]
+        if not all(m in out for m in REQUIRED_METRICS):
+            out["status"] = Status.PARTIAL.value
+        _bm1_terms(out, stats)
         out["aggregate"] = stats
     else:
         out["status"] = first.row.status.value
@@ -330,13 +246,29 @@ def _aggregated_row(group: Group, baseline: str, repeats: list[Placed], stats: d
     if first.shared:
         out["shared_across_block_sizes"] = list(first.shared)
         out["measured_at_block_size"] = first.row.block_size
-    out["repeats"] = [p.data for p in repeats]
     return out
 
 
-def build_matrix(rows: Sequence[Row], sources: Sequence[str] | None = None) -> Matrix:
+def _bm1_terms(out: dict[str, Any], stats: dict[str, dict]) -> None:
+    """The mean BM1 terms; t_router/t_verify only as a pair with t_verify > 0, because upstream's
+    ``evaluate_matrix`` summarises (and fails on) any row carrying both (the raw terms stay in ``aggregate``)."""
+    if "t_draft_seconds" in stats:
+        out["t_draft_seconds"] = stats["t_draft_seconds"]["mean"]
+    router, verify = stats.get("t_router_seconds"), stats.get("t_verify_seconds")
+    if router is not None and verify is not None and verify["mean"] <= 0:
+        return
+    for name, s in (("t_router_seconds", router), ("t_verify_seconds", verify)):
+        if s is not None:
+            out[name] = s["mean"]
+
+
+_COLUMN = {c: i for i, c in enumerate(NUMERIC_COLUMNS)}
+
+
+def build_matrix(rows: Sequence[Row | RowBrief], sources: Sequence[str] | None = None) -> Matrix:
     """Group, check and aggregate rows (raises InputError on duplicates). Fast enough to run every N rows."""
-    placed, superseded = place_rows(rows, sources)
+    briefs = [r if isinstance(r, RowBrief) else brief_of(r) for r in rows]
+    placed, superseded = place_rows(briefs, sources)
     groups: dict[tuple[str, int, int], Group] = {}
     for p in placed:
         gid = (p.row.model, p.block_size, p.row.concurrency)
@@ -349,10 +281,9 @@ def build_matrix(rows: Sequence[Row], sources: Sequence[str] | None = None) -> M
             b: sorted(ps, key=lambda p: p.row.repeat)
             for b, ps in sorted(g.by_baseline.items(), key=lambda kv: rank[kv[0]])
         }
-
     stats = _stats(
         [
-            _record(p, key)
+            (key, p.row.baseline, *p.row.numbers)
             for key, g in ordered.items()
             for ps in g.by_baseline.values()
             for p in ps
@@ -360,13 +291,13 @@ def build_matrix(rows: Sequence[Row], sources: Sequence[str] | None = None) -> M
         ]
     )
     matrix_rows = {
-        key: {b: _aggregated_row(g, b, ps, stats.get((key, b), {})) for b, ps in g.by_baseline.items()}
+        key: {b: _aggregated_head(g, b, ps, stats.get((key, b), {})) for b, ps in g.by_baseline.items()}
         for key, g in ordered.items()
     }
     return Matrix(ordered, stats, matrix_rows, superseded, len(rows))
 
 
-def _stats(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, dict[str, Any]]]:
+def _stats(records: list[tuple]) -> dict[tuple[str, str], dict[str, dict[str, Any]]]:
     """pandas groupby over the measured repeats: mean, std (ddof=1), count → summary_stats per column."""
     if not records:
         return {}

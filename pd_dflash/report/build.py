@@ -1,6 +1,6 @@
 """``pd-dflash report``: rows → result matrices, gates and the go/no-go verdict.
 
-Compatible with upstream's ``benchmarks/dflash/report.py`` files (research/upstream-phase-a.md §5): the same
+Compatible with the files of upstream's ``benchmarks/dflash/report.py`` (docs/metrics.md): the same
 group key ``model|B{b}|c{c}``, ``result_matrix.json`` as ``{group: {baseline: row}}``, the CSV's upstream
 columns first, the per-group JSON on stdout, exit 0 iff every group is complete. What it adds: repeats
 aggregated with confidence intervals, B0/B3 rows shared across block sizes, and the gates of docs/metrics.md.
@@ -16,31 +16,31 @@ from typing import Any
 from pydantic import ValidationError
 
 from pd_dflash.errors import InputError, format_validation_error
-from pd_dflash.report.aggregate import build_matrix
+from pd_dflash.report.aggregate import Matrix, build_matrix
+from pd_dflash.report.brief import RowBrief, brief_of
 from pd_dflash.report.gates import Expectations, evaluate, overall
-from pd_dflash.report.render import dumps, matrix_csv, matrix_json, matrix_markdown
-from pd_dflash.rows import ROWS_FILE, read_rows, write_atomic
+from pd_dflash.report.matrix_json import matrix_json, write_matrix_json
+from pd_dflash.report.render import dumps, matrix_csv, matrix_markdown
+from pd_dflash.rows import ROWS_FILE, RowSource, iter_rows, read_line_at, write_atomic
 from pd_dflash.schema import Row
-from pd_dflash.spec import Gates, SweepSpec, load_spec
+from pd_dflash.spec import Gates, SweepSpec
 from pd_dflash.upstream import BASELINE_ORDER
 
 
-def build_report(
-    rows: Sequence[Row],
+def _evaluate(
+    rows: Sequence[Row | RowBrief],
     gates: Gates,
-    *,
-    spec: SweepSpec | None = None,
-    sources: Sequence[str] | None = None,
-    plots: bool = False,
-) -> tuple[dict[str, Any], dict[str, str | bytes]]:
-    """The verdict and every output file's content (relative name → text or PNG bytes); writes nothing."""
+    spec: SweepSpec | None,
+    sources: Sequence[str] | None,
+    plots: bool,
+) -> tuple[Matrix, dict[str, Any], dict[str, str | bytes]]:
+    """The matrix, the verdict, and every output but result_matrix.json (whose size grows with the rows)."""
     matrix = build_matrix(rows, sources)
     details = evaluate(matrix, gates, Expectations.infer(matrix, spec))
     summary = overall(details)
     ok = bool(details) and all(d["complete"] and d["valid"] for d in details.values())
     verdict = {"groups": details, "overall": summary, "complete": ok, "exit_code": 0 if ok else 1}
     files: dict[str, str | bytes] = {
-        "result_matrix.json": matrix_json(matrix),
         "result_matrix.csv": matrix_csv(matrix),
         "result_matrix.md": matrix_markdown(matrix, details, summary, gates),
         "verdict.json": dumps(verdict),
@@ -49,11 +49,24 @@ def build_report(
         from pd_dflash.report.plots import render_plots
 
         files.update(render_plots(matrix))
-    return verdict, files
+    return matrix, verdict, files
+
+
+def build_report(
+    rows: Sequence[Row | RowBrief],
+    gates: Gates,
+    *,
+    spec: SweepSpec | None = None,
+    sources: Sequence[str] | None = None,
+    plots: bool = False,
+) -> tuple[dict[str, Any], dict[str, str | bytes]]:
+    """The verdict and every output file's content (relative name → text or PNG bytes); writes nothing."""
+    matrix, verdict, files = _evaluate(rows, gates, spec, sources, plots)
+    return verdict, {"result_matrix.json": matrix_json(matrix), **files}
 
 
 def write_outputs(
-    rows: list[Row],
+    rows: Sequence[Row | RowBrief],
     out_dir: Path | str,
     gates: Gates,
     *,
@@ -65,12 +78,13 @@ def write_outputs(
 
     Tolerates an incomplete matrix (its groups are simply incomplete). Pass ``spec`` to expect its full grid
     (absent groups are then listed as missing). A duplicate identity raises InputError before anything is
-    written.
+    written. result_matrix.json is streamed to its file (rows are fetched group by group).
     """
-    verdict, files = build_report(rows, gates, spec=spec, sources=sources, plots=plots)
+    matrix, verdict, files = _evaluate(rows, gates, spec, sources, plots)
     out = Path(out_dir)
-    for name in files:
+    for name in ("result_matrix.json", *files):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "result_matrix.json", lambda fh: write_matrix_json(matrix, fh))
     for name, content in files.items():
         write_atomic(out / name, content)
     return verdict
@@ -80,12 +94,11 @@ def write_outputs(
 
 
 def effective_gates(
-    spec_path: str | Path | None,
+    spec: SweepSpec | None,
     allow_blocked: Sequence[str] = (),
     allow_unmeasured: Sequence[str] = (),
-) -> tuple[Gates, SweepSpec | None]:
-    """The gates of ``spec_path`` (built-in thresholds without one), widened by the command line's allowances."""
-    spec = load_spec(spec_path) if spec_path else None
+) -> Gates:
+    """The gates of ``spec`` (built-in thresholds without one), widened by the command line's allowances."""
     gates = spec.gates if spec is not None else Gates()
     extra = list(allow_blocked)
     unknown = [b for b in extra if b not in BASELINE_ORDER]
@@ -100,31 +113,34 @@ def effective_gates(
     try:
         return Gates.model_validate(
             {**gates.model_dump(), "allow_blocked": merged, "allow_unmeasured": unmeasured}
-        ), spec
+        )
     except ValidationError as exc:
         raise InputError(format_validation_error(exc), where="--allow-unmeasured") from None
 
 
-def _sources(path: Path, count: int) -> list[str]:
-    """``file:line`` for JSON lines, ``file[i]`` for a JSON list, ``file`` for one object (as read_rows names them)."""
-    text = path.read_text(encoding="utf-8")
-    if path.suffix != ".jsonl" and text.lstrip()[:1] == "[":
-        return [f"{path}[{i}]" for i in range(count)]
-    lines = [n for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
-    if len(lines) != count:
-        return [str(path)] * count
-    return [f"{path}:{n}" for n in lines]
+def _fetcher(source: RowSource, row: Row):
+    """How to get a row's stored form back later: a JSON-lines row's text is re-read from its offset (so it
+    need not stay in memory); a row of a whole-JSON file (read whole anyway) is kept."""
+    if source.offset is None:
+        return row.to_json_dict
+    return lambda: read_line_at(source)
 
 
-def read_inputs(paths: Sequence[str | Path]) -> tuple[list[Row], list[str]]:
-    """Rows of every input (a directory means its ``rows.jsonl``), and where each came from."""
-    rows: list[Row] = []
+def read_inputs(paths: Sequence[str | Path]) -> tuple[list[RowBrief], list[str]]:
+    """Summaries of every row of every input (a directory means its ``rows.jsonl``), and where each came from.
+
+    Rows are read one at a time; an input without a single row is an InputError (there is nothing to report).
+    """
+    briefs: list[RowBrief] = []
     sources: list[str] = []
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
             path = path / ROWS_FILE
-        got, _ = read_rows(path)
-        rows.extend(got)
-        sources.extend(_sources(path, len(got)))
-    return rows, sources
+        before = len(briefs)
+        for row, source in iter_rows(path):
+            briefs.append(brief_of(row, _fetcher(source, row)))
+            sources.append(source.label)
+        if len(briefs) == before:
+            raise InputError("holds no rows: nothing to report", where=str(path))
+    return briefs, sources

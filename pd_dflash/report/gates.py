@@ -6,12 +6,13 @@ Every gate answers ``pass``, ``fail``, ``not evaluated`` (an input is missing: n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
 from pd_dflash.costmodel import bm1_summary, evaluate_hide_inequality
-from pd_dflash.report.aggregate import HIDE_TERMS, Group, Matrix, Placed, group_key
+from pd_dflash.report.aggregate import Group, Matrix, Placed, group_key
+from pd_dflash.report.brief import HIDE_TERMS
 from pd_dflash.schema import BLOCKED_STATUSES, FAILED_STATUSES, Status
 from pd_dflash.spec import Gates, SweepSpec
 from pd_dflash.upstream import BASELINE_ORDER, UPSTREAM_BASELINES
@@ -69,6 +70,55 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
+@dataclass
+class _Findings:
+    """What the completeness check found in one group, per baseline."""
+
+    missing: list[str] = field(default_factory=list)
+    blocked: list[str] = field(default_factory=list)
+    allowed: list[str] = field(default_factory=list)
+    missing_repeats: dict[str, list[int]] = field(default_factory=dict)
+    failed: dict[str, list[str]] = field(default_factory=dict)
+    partial: dict[str, list[str]] = field(default_factory=dict)
+    unmeasured: dict[str, list[str]] = field(default_factory=dict)
+    mismatches: dict[str, list[str]] = field(default_factory=dict)
+
+    def problems(self) -> list[str]:
+        out = [f"missing {', '.join(self.missing)}"] if self.missing else []
+        out.extend(f"{b} missing repeats {r}" for b, r in self.missing_repeats.items())
+        if self.blocked:
+            out.append(f"blocked {', '.join(self.blocked)} (not allowed)")
+        out.extend(f"{b} {'; '.join(v)}" for b, v in self.failed.items())
+        out.extend(f"{b} PARTIAL, missing {', '.join(v)}" for b, v in self.partial.items())
+        out.extend(f"{b} hide_inequality mismatch: {'; '.join(v)}" for b, v in self.mismatches.items())
+        return out
+
+
+def _inspect(group: Group, expect: Expectations, allow: set[str], unmeasured_ok: frozenset[str]) -> _Findings:
+    found = _Findings(missing=[b for b in expect.baselines if b not in group.by_baseline])
+    for b, repeats in group.by_baseline.items():
+        have = {p.row.repeat for p in repeats}
+        gaps = [r for r in expect.repeats if r not in have] if b in expect.baselines else []
+        if gaps:
+            found.missing_repeats[b] = gaps
+        for p in repeats:
+            st = p.row.status
+            if st in BLOCKED_STATUSES:
+                (found.allowed if b in allow else found.blocked).append(b)
+            elif st in FAILED_STATUSES:
+                found.failed.setdefault(b, []).append(f"repeat {p.row.repeat}: {st.value} ({p.row.reason})")
+            elif st == Status.PARTIAL:
+                for m in p.row.missing_metrics():
+                    bucket = found.unmeasured if m in unmeasured_ok else found.partial
+                    if m not in bucket.setdefault(b, []):
+                        bucket[b].append(m)
+            if p.row.hide_mismatch:
+                text = f"repeat {p.row.repeat} ({p.source}): {p.row.hide_mismatch}"
+                found.mismatches.setdefault(b, []).append(text)
+    found.blocked, found.allowed = sorted(set(found.blocked)), sorted(set(found.allowed))
+    return found
+
+
 def _completeness(
     group: Group, expect: Expectations, allow: set[str], unmeasured_ok: frozenset[str] = frozenset()
 ) -> dict[str, Any]:
@@ -77,61 +127,23 @@ def _completeness(
     A PARTIAL row whose absent metrics are all in ``unmeasured_ok`` (gates.allow_unmeasured) keeps the group
     complete; the absence is still listed under ``unmeasured``.
     """
-    missing, blocked, allowed, invalid = [], [], [], []
-    missing_repeats: dict[str, list[int]] = {}
-    failed: dict[str, list[str]] = {}
-    partial: dict[str, list[str]] = {}
-    unmeasured: dict[str, list[str]] = {}
-    mismatches: dict[str, list[str]] = {}
-    for b in expect.baselines:
-        if b not in group.by_baseline:
-            missing.append(b)
-    for b, repeats in group.by_baseline.items():
-        have = {p.row.repeat for p in repeats}
-        if b in expect.baselines:
-            gaps = [r for r in expect.repeats if r not in have]
-            if gaps:
-                missing_repeats[b] = gaps
-        for p in repeats:
-            st = p.row.status
-            if st in BLOCKED_STATUSES:
-                (allowed if b in allow else blocked).append(b)
-            elif st in FAILED_STATUSES:
-                failed.setdefault(b, []).append(f"repeat {p.row.repeat}: {st.value} ({p.row.reason})")
-            elif st == Status.PARTIAL:
-                for m in p.row.missing_metrics():
-                    bucket = unmeasured if m in unmeasured_ok else partial
-                    if m not in bucket.setdefault(b, []):
-                        bucket[b].append(m)
-            if p.hide_mismatch:
-                mismatches.setdefault(b, []).append(f"repeat {p.row.repeat} ({p.source}): {p.hide_mismatch}")
-        if b in mismatches:
-            invalid.append(b)
-    blocked, allowed = sorted(set(blocked)), sorted(set(allowed))
-    complete = not (missing or missing_repeats or blocked or failed or partial)
-    problems = []
-    if missing:
-        problems.append(f"missing {', '.join(missing)}")
-    problems.extend(f"{b} missing repeats {r}" for b, r in missing_repeats.items())
-    if blocked:
-        problems.append(f"blocked {', '.join(blocked)} (not allowed)")
-    problems.extend(f"{b} {'; '.join(v)}" for b, v in failed.items())
-    problems.extend(f"{b} PARTIAL, missing {', '.join(v)}" for b, v in partial.items())
-    problems.extend(f"{b} hide_inequality mismatch: {'; '.join(v)}" for b, v in mismatches.items())
+    f = _inspect(group, expect, allow, unmeasured_ok)
+    invalid = [b for b in group.by_baseline if b in f.mismatches]
+    complete = not (f.missing or f.missing_repeats or f.blocked or f.failed or f.partial)
     return {
         "present": list(group.by_baseline),
-        "missing": missing,
-        "blocked": sorted(set(blocked) | set(allowed)),
-        "blocked_allowed": allowed,
+        "missing": f.missing,
+        "blocked": sorted(set(f.blocked) | set(f.allowed)),
+        "blocked_allowed": f.allowed,
         "invalid": invalid,
-        "invalid_detail": mismatches,
-        "failed": failed,
-        "partial": partial,
-        "unmeasured": unmeasured,
-        "missing_repeats": {b: r for b, r in missing_repeats.items()},
+        "invalid_detail": f.mismatches,
+        "failed": f.failed,
+        "partial": f.partial,
+        "unmeasured": f.unmeasured,
+        "missing_repeats": dict(f.missing_repeats),
         "complete": complete,
         "valid": not invalid,
-        "gate": _gate(PASS if complete and not invalid else FAIL, "; ".join(problems)),
+        "gate": _gate(PASS if complete and not invalid else FAIL, "; ".join(f.problems())),
     }
 
 
@@ -194,15 +206,15 @@ def _hide(matrix: Matrix, group: Group, expect: Expectations) -> dict[str, Any]:
     key = group.key
     info = {}
     for b in group.by_baseline:
-        done = [p.hide["hidden"] for p in _measured(group, b) if p.hide is not None]
+        done = [p.row.hide_hidden for p in _measured(group, b) if p.row.hide_hidden is not None]
         if done:
             info[b] = {"hidden_repeats": sum(done), "repeats_with_terms": len(done), "on_means": None}
             info[b]["on_means"] = hide_on_means(matrix, key, b)
     mismatches = [
-        f"{b} repeat {p.row.repeat}: {p.hide_mismatch}"
+        f"{b} repeat {p.row.repeat}: {p.row.hide_mismatch}"
         for b, ps in group.by_baseline.items()
         for p in ps
-        if p.hide_mismatch
+        if p.row.hide_mismatch
     ]
     if mismatches:
         return _gate(
@@ -215,7 +227,7 @@ def _hide(matrix: Matrix, group: Group, expect: Expectations) -> dict[str, Any]:
     ours = _measured(group, "OURS")
     if not ours:
         return _gate(NOT_EVALUATED, "OURS not measured", per_baseline=info)
-    if any(p.hide is None for p in ours):
+    if any(p.row.hide_hidden is None for p in ours):
         return _gate(NOT_EVALUATED, "OURS rows carry no hide_inequality terms", per_baseline=info)
     on_means = info["OURS"]["on_means"]
     if on_means["hidden"]:

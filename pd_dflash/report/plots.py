@@ -3,6 +3,7 @@ canvas (no pyplot, no global backend switch), so a long-lived collector process 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import re
 
@@ -14,7 +15,13 @@ _COLOR = {"B0": "tab:blue", "B1": "tab:orange", "B2": "tab:green", "B3": "tab:re
 
 
 def _slug(model: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_") or "model"
+    """A file-name stem unique per model id: ``/`` becomes ``_`` (``openai/gpt-oss-20b`` →
+    ``openai_gpt-oss-20b``); an id with any other character outside ``[A-Za-z0-9._-]`` (``_`` included) gets a
+    hash suffix after ``+``, a character the plain form never has, so ``a/b`` and ``a_b`` cannot collide."""
+    if re.fullmatch(r"[A-Za-z0-9.\-/]{1,100}", model) and not model.startswith("."):
+        return model.replace("/", "_")
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", model)[:80].strip("_.") or "model"
+    return f"{readable}+{hashlib.sha256(model.encode()).hexdigest()[:12]}"
 
 
 def _series(matrix: Matrix, model: str, column: str):
@@ -44,77 +51,97 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def render_plots(matrix: Matrix) -> dict[str, bytes]:
-    """``plots/<model>_<what>.png`` → PNG bytes: tokens/s vs concurrency (the design's money plot) per block
-    size, coverage and waste ratio vs block size, acceptance length vs concurrency."""
+def _tokens_per_second(matrix: Matrix, model: str, blocks: list[int], concs: list[int]):
+    """Tokens/s vs concurrency, one panel per block size: the design's money plot."""
     from matplotlib.figure import Figure
 
-    files: dict[str, bytes] = {}
-    models = sorted({g.model for g in matrix.groups.values()})
-    for model in models:
-        blocks = sorted({g.block_size for g in matrix.groups.values() if g.model == model})
-        slug = _slug(model)
-
-        tps = _series(matrix, model, "output_tokens_per_second")
-        fig = Figure(figsize=(5.5 * len(blocks), 4.2), layout="constrained")
-        axes = fig.subplots(1, len(blocks), squeeze=False)[0]
-        for ax, bsz in zip(axes, blocks, strict=True):
-            for b in BASELINE_ORDER:
-                pts = tps.get((b, bsz))
-                if pts:
-                    cs, ys, hs = zip(*pts, strict=True)
-                    ax.errorbar(cs, ys, yerr=hs, fmt=_STYLE[b], color=_COLOR[b], label=b, capsize=3)
-            _concurrency_axis(ax, sorted({g.concurrency for g in matrix.groups.values() if g.model == model}))
-            ax.set_xlabel("concurrency c (requests in flight)")
-            ax.set_ylabel("output tokens/s")
-            ax.set_title(f"B = {bsz}")
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.suptitle(f"{model}: tokens/s vs concurrency (mean ± 95% CI)")
-        files[f"plots/{slug}_tokens_per_second.png"] = _png(fig)
-
-        fig = Figure(figsize=(11, 4.2), layout="constrained")
-        ax_cov, ax_waste = fig.subplots(1, 2)
-        concs = sorted({g.concurrency for g in matrix.groups.values() if g.model == model})
-        for ax, column, label in (
-            (ax_cov, "route_ahead_prefetch_coverage", "prefetch coverage"),
-            (ax_waste, "route_ahead.waste_ratio", "waste ratio"),
-        ):
-            series = _series(matrix, model, column)
-            for b, style in (("OURS", "-"), ("B1", ":")):
-                for c in concs:
-                    pts = [
-                        (bsz, m, h) for bsz in blocks for (cc, m, h) in series.get((b, bsz), []) if cc == c
-                    ]
-                    if pts:
-                        xs, ys, hs = zip(*pts, strict=True)
-                        ax.errorbar(xs, ys, yerr=hs, fmt="o" + style, label=f"{b} c={c}", capsize=3)
-            ax.set_xticks(blocks)
-            ax.set_xlabel("block size B")
-            ax.set_ylabel(label)
-            ax.set_ylim(-0.02, 1.02)
-            ax.grid(True, alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7, ncol=2)
-        fig.suptitle(f"{model}: route-ahead coverage and waste vs block size (OURS solid, B1 dotted)")
-        files[f"plots/{slug}_coverage_waste.png"] = _png(fig)
-
-        acc = _series(matrix, model, "acceptance_length_a")
-        fig = Figure(figsize=(6, 4.2), layout="constrained")
-        ax = fig.subplots()
+    tps = _series(matrix, model, "output_tokens_per_second")
+    fig = Figure(figsize=(5.5 * len(blocks), 4.2), layout="constrained")
+    axes = fig.subplots(1, len(blocks), squeeze=False)[0]
+    for ax, bsz in zip(axes, blocks, strict=True):
         for b in BASELINE_ORDER:
-            for j, bsz in enumerate(blocks):
-                pts = acc.get((b, bsz))
-                if pts and b not in ("B0", "B3"):
-                    cs, ys, hs = zip(*pts, strict=True)
-                    fmt = _STYLE[b][0] + ("-" if j == len(blocks) - 1 else "--")
-                    ax.errorbar(cs, ys, yerr=hs, fmt=fmt, color=_COLOR[b], label=f"{b} B={bsz}", capsize=3)
+            pts = tps.get((b, bsz))
+            if pts:
+                cs, ys, hs = zip(*pts, strict=True)
+                ax.errorbar(cs, ys, yerr=hs, fmt=_STYLE[b], color=_COLOR[b], label=b, capsize=3)
         _concurrency_axis(ax, concs)
-        ax.set_xlabel("concurrency c")
-        ax.set_ylabel("acceptance length τ (tokens/round)")
+        ax.set_xlabel("concurrency c (requests in flight)")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"B = {bsz}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{model}: tokens/s vs concurrency (mean ± 95% CI)")
+    return fig
+
+
+def _coverage_waste(matrix: Matrix, model: str, blocks: list[int], concs: list[int]):
+    """Route-ahead coverage and waste ratio vs block size, one line per (baseline, c)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    ax_cov, ax_waste = fig.subplots(1, 2)
+    for ax, column, label in (
+        (ax_cov, "route_ahead_prefetch_coverage", "prefetch coverage"),
+        (ax_waste, "route_ahead.waste_ratio", "waste ratio"),
+    ):
+        series = _series(matrix, model, column)
+        for b, style in (("OURS", "-"), ("B1", ":")):
+            for c in concs:
+                pts = [(bsz, m, h) for bsz in blocks for (cc, m, h) in series.get((b, bsz), []) if cc == c]
+                if pts:
+                    xs, ys, hs = zip(*pts, strict=True)
+                    ax.errorbar(xs, ys, yerr=hs, fmt="o" + style, label=f"{b} c={c}", capsize=3)
+        ax.set_xticks(blocks)
+        ax.set_xlabel("block size B")
+        ax.set_ylabel(label)
+        ax.set_ylim(-0.02, 1.02)
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-        fig.suptitle(f"{model}: acceptance length (AR = 1)")
-        files[f"plots/{slug}_acceptance_length.png"] = _png(fig)
+            ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{model}: route-ahead coverage and waste vs block size (OURS solid, B1 dotted)")
+    return fig
+
+
+def _acceptance_length(matrix: Matrix, model: str, blocks: list[int], concs: list[int]):
+    """Acceptance length vs concurrency for the speculative baselines (the largest B solid)."""
+    from matplotlib.figure import Figure
+
+    acc = _series(matrix, model, "acceptance_length_a")
+    fig = Figure(figsize=(6, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for b in BASELINE_ORDER:
+        for j, bsz in enumerate(blocks):
+            pts = acc.get((b, bsz))
+            if pts and b not in ("B0", "B3"):
+                cs, ys, hs = zip(*pts, strict=True)
+                fmt = _STYLE[b][0] + ("-" if j == len(blocks) - 1 else "--")
+                ax.errorbar(cs, ys, yerr=hs, fmt=fmt, color=_COLOR[b], label=f"{b} B={bsz}", capsize=3)
+    _concurrency_axis(ax, concs)
+    ax.set_xlabel("concurrency c")
+    ax.set_ylabel("acceptance length τ (tokens/round)")
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{model}: acceptance length (AR = 1)")
+    return fig
+
+
+#: The plots of one model: file name suffix → the function drawing it.
+PLOTS = {
+    "tokens_per_second": _tokens_per_second,
+    "coverage_waste": _coverage_waste,
+    "acceptance_length": _acceptance_length,
+}
+
+
+def render_plots(matrix: Matrix) -> dict[str, bytes]:
+    """``plots/<model>_<what>.png`` → PNG bytes for every model and every plot of :data:`PLOTS`."""
+    files: dict[str, bytes] = {}
+    for model in sorted({g.model for g in matrix.groups.values()}):
+        groups = [g for g in matrix.groups.values() if g.model == model]
+        blocks = sorted({g.block_size for g in groups})
+        concs = sorted({g.concurrency for g in groups})
+        slug = _slug(model)
+        for what, draw in PLOTS.items():
+            files[f"plots/{slug}_{what}.png"] = _png(draw(matrix, model, blocks, concs))
     return files

@@ -7,7 +7,8 @@ import io
 import json
 from typing import Any
 
-from pd_dflash.report.aggregate import EXTRA_COLUMNS, Matrix
+from pd_dflash.report.aggregate import Matrix
+from pd_dflash.report.brief import EXTRA_COLUMNS
 from pd_dflash.report.gates import DISABLED, FAIL, GATES, NOT_EVALUATED, PASS, bm1_on_means, hide_on_means
 from pd_dflash.spec import Gates
 from pd_dflash.upstream import BASELINE_ORDER, REQUIRED_METRICS, UPSTREAM_CSV_COLUMNS
@@ -33,10 +34,6 @@ CSV_COLUMNS: tuple[str, ...] = (*UPSTREAM_CSV_COLUMNS, *EXTRA_CSV_COLUMNS)
 def dumps(obj: Any) -> str:
     """JSON as upstream writes it: indent 2, sorted keys, trailing newline (and never NaN)."""
     return json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"
-
-
-def matrix_json(matrix: Matrix) -> str:
-    return dumps(matrix.rows)
 
 
 def _cell(value: Any) -> str:
@@ -125,8 +122,7 @@ def _table_cell(matrix: Matrix, key: str, baseline: str, column: str, scale: flo
     return text
 
 
-def matrix_markdown(matrix: Matrix, verdicts: dict[str, dict], overall: dict, gates: Gates) -> str:
-    models = sorted({key.rsplit("|", 2)[0] for key in verdicts})
+def _preamble(matrix: Matrix, overall: dict, gates: Gates) -> list[str]:
     lines = [
         "# PD-DFlash Phase-A result matrix",
         "",
@@ -144,51 +140,57 @@ def matrix_markdown(matrix: Matrix, verdicts: dict[str, dict], overall: dict, ga
     lines.extend(f"- superseded failed row {old} by {new}" for old, new in matrix.superseded)
     if overall["verdict"] != "GO":
         lines.extend(f"- {reason}" for reason in overall["reasons"] + overall["also"])
-    for model in models:
+    return lines
+
+
+def _shared_note(verdicts: dict[str, dict], keys: list[str]) -> list[str]:
+    shared = sorted(
+        {(b, tuple(bs)) for k in keys for b, bs in verdicts[k].get("shared_across_block_sizes", {}).items()}
+    )
+    return ([""] if shared else []) + [
+        f"- {b} is measured once per (c, repeat) and shown in every block-size group it covers: "
+        f"B = {', '.join(str(x) for x in bs)} (the same numbers in each)."
+        for b, bs in shared
+    ]
+
+
+def _metric_tables(matrix: Matrix, keys: list[str], baselines: list[str]) -> list[str]:
+    header = "| B | c | " + " | ".join(baselines) + " |"
+    rule = "|---|---|" + "---|" * len(baselines)
+    lines: list[str] = []
+    for column, title, unit, scale in HEADLINE:
+        lines += ["", f"### {title} ({unit})", "", header, rule]
+        for k in keys:
+            _, b, c = k.rsplit("|", 2)
+            cells = [_table_cell(matrix, k, base, column, scale) for base in baselines]
+            lines.append(f"| {b[1:]} | {c[1:]} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _gates_table(verdicts: dict[str, dict], keys: list[str]) -> list[str]:
+    lines = ["", "### Gates", "", "| B | c | " + " | ".join(GATES) + " |", "|---|---|" + "---|" * len(GATES)]
+    notes = []
+    for k in keys:
+        _, b, c = k.rsplit("|", 2)
+        gs = verdicts[k]["gates"]
+        lines.append(f"| {b[1:]} | {c[1:]} | " + " | ".join(_MARK[gs[g]["status"]] for g in GATES) + " |")
+        notes += [
+            f"- {k} {g} ({gs[g]['status']}): {gs[g]['summary']}"
+            for g in GATES
+            if gs[g]["status"] in (FAIL, NOT_EVALUATED) and gs[g]["summary"]
+        ]
+    return lines + ([""] if notes else []) + notes
+
+
+def matrix_markdown(matrix: Matrix, verdicts: dict[str, dict], overall: dict, gates: Gates) -> str:
+    """result_matrix.md: the verdict, then per model a table per headline metric and the gates table."""
+    lines = _preamble(matrix, overall, gates)
+    for model in sorted({key.rsplit("|", 2)[0] for key in verdicts}):
         keys = [k for k in verdicts if k.rsplit("|", 2)[0] == model]
         present = {b for k in keys for b in matrix.rows.get(k, {})}
         expected = {b for k in keys for b in verdicts[k]["missing"]}
         baselines = [b for b in BASELINE_ORDER if b in present | expected]
-        shared = sorted(
-            {
-                (b, tuple(bs))
-                for k in keys
-                for b, bs in verdicts[k].get("shared_across_block_sizes", {}).items()
-            }
-        )
-        lines += ["", f"## {model}"]
-        if shared:
-            lines.append("")
-        for b, bs in shared:
-            lines.append(
-                f"- {b} is measured once per (c, repeat) and shown in every block-size group it covers: "
-                f"B = {', '.join(str(x) for x in bs)} (the same numbers in each)."
-            )
-        header = "| B | c | " + " | ".join(baselines) + " |"
-        rule = "|---|---|" + "---|" * len(baselines)
-        for column, title, unit, scale in HEADLINE:
-            lines += ["", f"### {title} ({unit})", "", header, rule]
-            for k in keys:
-                _, b, c = k.rsplit("|", 2)
-                cells = [_table_cell(matrix, k, base, column, scale) for base in baselines]
-                lines.append(f"| {b[1:]} | {c[1:]} | " + " | ".join(cells) + " |")
-        lines += [
-            "",
-            "### Gates",
-            "",
-            "| B | c | " + " | ".join(GATES) + " |",
-            "|---|---|" + "---|" * len(GATES),
-        ]
-        notes = []
-        for k in keys:
-            _, b, c = k.rsplit("|", 2)
-            gs = verdicts[k]["gates"]
-            lines.append(f"| {b[1:]} | {c[1:]} | " + " | ".join(_MARK[gs[g]["status"]] for g in GATES) + " |")
-            notes += [
-                f"- {k} {g} ({gs[g]['status']}): {gs[g]['summary']}"
-                for g in GATES
-                if gs[g]["status"] in (FAIL, NOT_EVALUATED) and gs[g]["summary"]
-            ]
-        if notes:
-            lines += ["", *notes]
+        lines += ["", f"## {model}", *_shared_note(verdicts, keys)]
+        lines += _metric_tables(matrix, keys, baselines)
+        lines += _gates_table(verdicts, keys)
     return "\n".join(lines) + "\n"

@@ -1,12 +1,14 @@
-"""``pd-dflash validate``: upstream's ``validate_result_matrix`` checks on a result_matrix.json."""
+"""``pd-dflash validate``: upstream's ``validate_result_matrix`` checks on a result_matrix.json, and that each
+group key ``model|B{b}|c{c}`` names the model, block size and concurrency of the rows filed under it."""
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
 from typing import Any
 
-from pd_dflash.errors import InputError
+from pd_dflash.errors import InputError, excerpt
+from pd_dflash.safe_load import decode_utf8, load_json
 from pd_dflash.schema import Status, check_number
 from pd_dflash.upstream import REQUIRED_METRICS, UPSTREAM_BASELINES
 
@@ -34,23 +36,48 @@ def validate_group(rows_by_baseline: dict[str, Any]) -> list[str]:
                 try:
                     check_number(m, row[m])
                 except ValueError:
-                    errors.append(f"{b}.{m} must be a finite, non-negative number; got {row[m]!r}")
+                    errors.append(f"{b}.{m} must be a finite, non-negative number; got {excerpt(row[m])}")
     return errors
+
+
+_KEY = re.compile(r"^(?P<model>.+)\|B(?P<block>[0-9]+)\|c(?P<conc>[0-9]+)$")
+
+
+def key_errors(key: str, rows_by_baseline: dict[str, Any]) -> list[str]:
+    """The group key must be ``model|B{b}|c{c}``, and a row under it that carries a model, block size or
+    concurrency must carry the key's (upstream's validator does not require them, so absent is accepted)."""
+    found = _KEY.match(key)
+    if found is None:
+        return [f"group key {excerpt(key)} is not model|B<block_size>|c<concurrency>"]
+    expected = {"model": found["model"], "block_size": int(found["block"]), "concurrency": int(found["conc"])}
+    errors = []
+    for b, row in rows_by_baseline.items():
+        if not isinstance(row, dict):
+            continue
+        for field, want in expected.items():
+            got = row.get(field, _ABSENT)
+            if got is not _ABSENT and (got != want or isinstance(got, bool)):
+                errors.append(f"{b}.{field} is {excerpt(got)} but the group key says {excerpt(want)}")
+    return errors
+
+
+_ABSENT = object()
 
 
 def validate_matrix_file(path: Path) -> dict[str, dict[str, Any]]:
     """Every group of a result_matrix.json with its errors: ``{key: {"valid": bool, "errors": [...]}}``."""
     try:
-        matrix = json.loads(path.read_text(encoding="utf-8"))  # NaN/Infinity read, then named
+        raw = path.read_bytes()
     except OSError as exc:
         raise InputError(f"cannot read matrix: {exc.strerror or exc}", where=str(path)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        where = f"{path}:{exc.lineno}" if isinstance(exc, json.JSONDecodeError) else str(path)
-        raise InputError(f"invalid JSON: {getattr(exc, 'msg', exc)}", where=where) from None
+    # NaN/Infinity are read, then named by the checks
+    matrix = load_json(decode_utf8(raw, where=str(path)), where=str(path), name_line=True)
     if not isinstance(matrix, dict) or not all(isinstance(v, dict) for v in matrix.values()):
         raise InputError("a result matrix is a JSON object {group_key: {baseline: row}}", where=str(path))
+    if not matrix:
+        raise InputError("holds no groups: nothing to validate", where=str(path))
     results = {}
     for key, group in sorted(matrix.items()):
-        errors = validate_group(group)
+        errors = key_errors(key, group) + validate_group(group)
         results[key] = {"valid": not errors, "errors": errors}
     return results

@@ -1,6 +1,7 @@
-"""The Ray orchestrator: driver, runner actors, collector actor, preflight, progress.
+"""The Ray orchestrator: driver, runner pool and actors, health policy, collector, preflight, progress.
 
-Ray is imported only inside this package, and only by the modules that need it (``driver``, ``runner``,
-``collector``, ``preflight``, ``cluster``). ``store``, ``scheduler``, ``progress`` and ``manifest`` are pure, so
-``pd_dflash.sweep.store.current_rows`` (the de-duplicated view of a sweep directory) can be used without Ray.
+Ray is imported only inside this package, and only by the modules that need it (``cluster``, ``driver``,
+``pool``, ``health``, ``sink``, ``runner``, ``collector``, ``preflight``). ``options``, ``store``, ``resume``,
+``scheduler``, ``progress`` and ``manifest`` are pure, so ``pd_dflash.sweep.resume.current_rows`` (the
+de-duplicated view of a sweep directory) can be used without Ray.
 """

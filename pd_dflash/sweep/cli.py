@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
+from pd_dflash.engine.registry import load_checked_spec
 from pd_dflash.errors import InputError
-from pd_dflash.spec import load_spec
-from pd_dflash.sweep.store import Mode
+from pd_dflash.sweep.resume import Mode
 
 
 def options_from_args(args: argparse.Namespace):
-    from pd_dflash.sweep.driver import RunOptions
+    from pd_dflash.sweep.options import RunOptions
 
     if args.max_attempts < 1:
         raise InputError(f"must be at least 1, got {args.max_attempts}", where="--max-attempts")
@@ -24,13 +25,20 @@ def options_from_args(args: argparse.Namespace):
         options.cell_timeout_s = timeout
     if args.no_progress:
         options.progress = False
+    options.insecure = args.insecure
     return options
 
 
 def run_main(args: argparse.Namespace) -> int:
-    spec = load_spec(args.spec)  # a bad spec is reported before Ray is even imported
-    from pd_dflash.sweep.driver import run_sweep
+    spec = load_checked_spec(args.spec)  # a bad spec is reported before Ray is even imported
+    from pd_dflash.sweep.cluster import run_sweep
 
     options = options_from_args(args)
     outcome = run_sweep(spec, options, address=args.address)
+    if outcome.outcome == "storage_failed":
+        print(
+            f"pd-dflash run: error: {outcome.stopped}; the sweep stopped (rerun to resume)", file=sys.stderr
+        )
+    elif outcome.outcome == "interrupted":
+        print(f"pd-dflash run: stopped by {outcome.stopped}", file=sys.stderr)
     return outcome.exit_code

@@ -1,13 +1,17 @@
 """The collector actor: the only writer of the sweep directory, pinned to the head box.
 
-It validates each row against the row contract, appends it durably (``SweepStore.add``: flush + fsync, a
-duplicate of a stored cell is ignored), and rewrites the result matrices every N rows (at most every 10 s) or T
-seconds, and at the end. Ray restarts it if its process dies (``max_restarts=-1``) and retries the call it was serving
-(``max_task_retries=-1``); the store is reloaded from disk, so a retried row is recognised as a duplicate.
+It validates each row against the row contract, removes the spec's env values from what it stores, appends the
+row durably (``SweepStore.add``: flush + fsync, a duplicate of a stored cell is ignored), appends events, and
+rewrites the result matrices every N rows or T seconds, and at the end. A failed write breaks the store: every
+later ``add`` raises ``StorageError``, which the driver takes as the order to stop. Ray restarts the collector if
+its process dies (``max_restarts=-1``) and retries the call it was serving (``max_task_retries=-1``); the store
+is reloaded from disk, so a retried row is recognised as a duplicate.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 import traceback
 from typing import Any
@@ -16,12 +20,18 @@ import ray
 
 from pd_dflash.schema import parse_row
 from pd_dflash.spec import SweepSpec
-from pd_dflash.sweep.store import Mode, SweepStore
+from pd_dflash.sweep.manifest import redact
+from pd_dflash.sweep.resume import Mode
+from pd_dflash.sweep.store import StorageError, SweepStore
 
 #: Ray's built-in resource of the head node: pins the collector next to the results directory.
 HEAD_RESOURCE = "node:__internal_head__"
-#: The matrices are rewritten every N rows, but not more often than this (the report costs CPU on the head).
+#: The matrices are rewritten every N rows, but not more often than this (the report costs CPU on the head)...
 MIN_MATRIX_INTERVAL_S = 10.0
+#: ...nor more often than this many times the last rewrite took (the report of a large sweep takes seconds).
+MATRIX_COST_FACTOR = 10.0
+#: Files the collector creates are 0640, its directories 0750.
+UMASK = 0o027
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1, resources={HEAD_RESOURCE: 0.001})
@@ -35,15 +45,18 @@ class Collector:
         every_rows: int = 20,
         every_s: float = 30.0,
     ) -> None:
+        os.umask(UMASK)  # this process writes only OUT
         self.reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
         # A restarted collector continues the same run: it must not archive again nor record a new run.
         self.store = SweepStore(out_dir, spec, Mode.RESUME if self.reconstructed else mode)
+        self.env = dict(spec.env)
         self.run_info = run_info
         self.every_rows = every_rows
         self.every_s = every_s
         self.opened: dict[str, Any] | None = None
         self._since_matrix = 0
         self._matrix_at = time.monotonic()
+        self._matrix_interval = MIN_MATRIX_INTERVAL_S
         self.matrix_errors: list[str] = []
 
     def _ensure_open(self) -> dict[str, Any]:
@@ -52,50 +65,64 @@ class Collector:
         return self.opened
 
     def open(self) -> dict[str, Any]:
-        """Lock and load OUT (check the fingerprint, archive on --restart, repair a torn tail)."""
+        """Lock and load OUT (check the fingerprint, archive on --restart, repair what a crash left)."""
         return self._ensure_open()
 
     def add(self, row: dict[str, Any], error_text: str | None = None) -> bool:
-        """Validate and store one row; False when it duplicates a stored one."""
+        """Validate and store one row; False when it duplicates a stored one. Raises ``StorageError``."""
         self._ensure_open()
-        stored = self.store.add(parse_row(row, where=f"row of cell {row.get('cell_id')}"), error_text)
+        if self.store.broken:
+            raise StorageError(self.store.broken)
+        row = {
+            **row,
+            **{k: redact(row[k], self.env) for k in ("engine", "runner", "reason", "warnings") if k in row},
+        }
+        parsed = parse_row(row, where=f"row of cell {row.get('cell_id')}")
+        stored = self.store.add(parsed, redact(error_text, self.env))
         if stored:
             self._since_matrix += 1
         elapsed = time.monotonic() - self._matrix_at
         if self._since_matrix and (
-            elapsed >= self.every_s
-            or (self._since_matrix >= self.every_rows and elapsed >= MIN_MATRIX_INTERVAL_S)
+            elapsed >= max(self.every_s, self._matrix_interval)
+            or (self._since_matrix >= self.every_rows and elapsed >= self._matrix_interval)
         ):
             self._write_matrices(plots=False)
         return stored
+
+    def event(self, event: dict[str, Any]) -> None:
+        """Append an event (runner death, requeue, timeout, ...) to events.jsonl. Raises ``StorageError``."""
+        self._ensure_open()
+        self.store.add_event(redact(event, self.env))
 
     def update_run(self, patch: dict[str, Any]) -> None:
         self._ensure_open()
         self.store.update_run(patch)
 
-    def counts(self) -> dict[str, int]:
-        self._ensure_open()
-        return self.store.counts()
-
     def _write_matrices(self, *, plots: bool) -> dict[str, Any] | None:
         self._since_matrix = 0
-        self._matrix_at = time.monotonic()
+        started = time.monotonic()
         try:
             return self.store.write_matrices(plots=plots)
         except Exception as exc:  # a report failure must never cost a stored row or stop the sweep
             self.matrix_errors.append(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             return None
+        finally:
+            self._matrix_at = time.monotonic()
+            cost = self._matrix_at - started
+            self._matrix_interval = max(MIN_MATRIX_INTERVAL_S, MATRIX_COST_FACTOR * cost)
 
     def finish(self, patch: dict[str, Any], plots: bool = True) -> dict[str, Any]:
-        """Write the final matrices (with plots), record the run's outcome, release OUT."""
+        """Write the final matrices, record the run's outcome, release OUT (as far as OUT can be written)."""
         self._ensure_open()
-        outputs = self._write_matrices(plots=plots)
-        self.store.update_run({**patch, "finished_at_collector": True})
+        outputs = None if self.store.broken else self._write_matrices(plots=plots)
+        with contextlib.suppress(StorageError):  # store.broken says why; the driver reports it
+            self.store.update_run({**patch, "finished_at_collector": True})
         summary = {
             "counts": self.store.counts(),
             "outputs": _jsonable(outputs),
             "matrix_errors": list(self.matrix_errors),
             "current_statuses": {k: v.status.value for k, v in self.store.stored().items()},
+            "storage_error": self.store.broken,
         }
         self.store.close()
         self.opened = None

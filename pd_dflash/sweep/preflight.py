@@ -7,18 +7,23 @@ cluster has.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from pd_dflash.engine import registry
+from pd_dflash.engine.registry import EngineTraits
 from pd_dflash.errors import InputError
-from pd_dflash.spec import Hardware, SweepSpec
+from pd_dflash.spec import Hardware, ModelSpec, SweepSpec
 from pd_dflash.sweep.collector import HEAD_RESOURCE
-from pd_dflash.sweep.runner import check_engine_importable
-from pd_dflash.sweep.store import Mode, check_resumable, probe_writable
+from pd_dflash.sweep.manifest import environment_manifest
+from pd_dflash.sweep.resume import Mode, check_resumable, probe_writable
+from pd_dflash.sweep.runner import short
 
 ACCELERATOR_PREFIX = "accelerator_type:"
 
@@ -189,8 +194,86 @@ def check_out_dir(out_dir: str, spec: SweepSpec, mode: Mode, *, timeout_s: float
         raise PreflightError(error)
 
 
-def check_engine(spec: SweepSpec, boxes: list[Box], *, timeout_s: float) -> dict[str, dict[str, Any]]:
-    """Import the engine on every box that can host a runner, with a runner's resources; exit 2 if any fails."""
+@ray.remote(num_cpus=0, resources={HEAD_RESOURCE: 0.001}, max_retries=0)
+def _head_auth_mode() -> str:
+    """The token-auth mode of a worker on the head box: what the head's Ray was started with."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # a Ray without token auth (< 2.59) has none
+        return "token" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else "disabled"
+    return "token" if is_token_auth_enabled() else "disabled"
+
+
+def cluster_auth_mode(*, timeout_s: float) -> str:
+    """``token`` or ``disabled``: how the cluster this driver joined authenticates its clients."""
+    ref = _head_auth_mode.remote()
+    ready, _ = ray.wait([ref], timeout=timeout_s)
+    if not ready:
+        ray.cancel(ref, force=True)
+        raise PreflightError(f"the authentication check on the head box did not finish in {timeout_s:g} s")
+    return ray.get(ref)
+
+
+def check_auth(mode: str, *, insecure: bool) -> str | None:
+    """A cluster run needs token authentication, or ``--insecure``: then the warning to show; else None."""
+    if mode == "token":
+        return None
+    risk = (
+        f"the cluster runs without token authentication (RAY_AUTH_MODE={mode} on its head): anyone who can reach "
+        "its ports can run code on every box and read the results"
+    )
+    if not insecure:
+        raise PreflightError(
+            f"{risk}. Start it with RAY_AUTH_MODE=token (docs/running-on-a-cluster.md §1), or pass --insecure "
+            "on a network you trust",
+            where="preflight",
+        )
+    return f"WARNING: {risk} (--insecure)"
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_engine_importable(
+    engine: str, env: dict[str, str], models: list[ModelSpec] | None = None
+) -> dict[str, Any]:
+    """Run as a task with a runner's resources on each box: can this box import the engine, and do the
+    models' ``engine_options`` fit it? Returns the engine's traits, so the driver never imports the engine."""
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    os.environ.update(env)
+    try:
+        traits = registry.traits(engine)
+    except Exception as exc:
+        return {"ok": False, "error": f"engine {engine!r}: {short(str(exc))}"}
+    missing = [m for m in traits.requires if not _importable(m)]
+    if missing:
+        hints = [traits.install_hints[m] for m in missing if m in traits.install_hints]
+        how = f"; {'; '.join(hints)}" if hints else ""
+        return {"ok": False, "error": f"modules not importable: {', '.join(missing)} (engine {engine}){how}"}
+    try:
+        registry.engine_class(engine)
+    except Exception as exc:
+        return {
+            "ok": False,
+            "error": f"cannot import {traits.entry_point}: {type(exc).__name__}: {short(str(exc), 300)}",
+        }
+    try:
+        for i, model in enumerate(models or ()):
+            registry.validate_engine_options(engine, model, where=f"models.{i}")
+    except InputError as exc:
+        return {"ok": False, "error": short(str(exc))}
+    return {"ok": True, "python": environment_manifest()["python"], "traits": traits}
+
+
+def check_engine(spec: SweepSpec, boxes: list[Box], *, timeout_s: float) -> EngineTraits:
+    """Import the engine on every box that can host a runner, with a runner's resources; exit 2 if any fails.
+
+    Returns the engine's traits as a box found them: the driver schedules with them without importing an
+    engine from outside the package (only runners and these checks do)."""
     remote = ray.remote(max_retries=0)(check_engine_importable)
     refs = {}
     for box in boxes:
@@ -199,7 +282,7 @@ def check_engine(spec: SweepSpec, boxes: list[Box], *, timeout_s: float) -> dict
         options = runner_options(spec.hardware)
         refs[box.label] = remote.options(
             **options, scheduling_strategy=NodeAffinitySchedulingStrategy(box.node_id, soft=False)
-        ).remote(spec.engine, spec.env)
+        ).remote(spec.engine, spec.env, list(spec.models))
     _ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
     results: dict[str, dict[str, Any]] = {}
     failures = []
@@ -222,4 +305,4 @@ def check_engine(spec: SweepSpec, boxes: list[Box], *, timeout_s: float) -> dict
         raise PreflightError(
             "the engine is not usable on every box: " + "; ".join(failures), where="preflight"
         )
-    return results
+    return next(iter(results.values()))["traits"]

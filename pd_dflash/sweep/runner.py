@@ -9,7 +9,6 @@ traceback; the runner itself only dies when its process does.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 import traceback
@@ -32,7 +31,7 @@ class DeviceMismatch(RuntimeError):
     """The GPU Ray gave this runner is not the hardware the spec asks for (wrong box or wrong resource)."""
 
 
-def _short(text: str, limit: int = REASON_LIMIT) -> str:
+def short(text: str, limit: int = REASON_LIMIT) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -132,7 +131,7 @@ class Runner:
         except Exception as exc:
             seconds = time.perf_counter() - t0
             error_text = traceback.format_exc()
-            reason = _short(f"{type(exc).__name__}: {exc}")
+            reason = short(f"{type(exc).__name__}: {exc}")
             row = Row.without_metrics(cell, Status.ERROR, reason, **bookkeeping, finished_at=utc_now())
         return {
             "row": row.to_json_dict(),
@@ -142,39 +141,5 @@ class Runner:
             "finished": wall0 + seconds,
         }
 
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-
 
 RunnerActor = ray.remote(max_restarts=0, max_task_retries=0)(Runner)
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def check_engine_importable(engine: str, env: dict[str, str]) -> dict[str, Any]:
-    """Preflight, run as a task with a runner's resources on each box: can this box import the engine?"""
-    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    os.environ.update(env)
-    try:
-        traits = registry.traits(engine)
-    except Exception as exc:
-        return {"ok": False, "error": f"engine {engine!r}: {_short(str(exc))}"}
-    missing = [m for m in traits.requires if not _importable(m)]
-    if missing:
-        hints = [traits.install_hints[m] for m in missing if m in traits.install_hints]
-        how = f"; {'; '.join(hints)}" if hints else ""
-        return {"ok": False, "error": f"modules not importable: {', '.join(missing)} (engine {engine}){how}"}
-    try:
-        registry.engine_class(engine)
-    except Exception as exc:
-        return {
-            "ok": False,
-            "error": f"cannot import {traits.entry_point}: {type(exc).__name__}: {_short(str(exc), 300)}",
-        }
-    return {"ok": True, "python": environment_manifest()["python"]}

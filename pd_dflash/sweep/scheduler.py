@@ -16,13 +16,17 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from pd_dflash.engine import registry
+from pd_dflash.engine.registry import EngineTraits
 from pd_dflash.spec import Cell, SweepSpec
 
 LoadKey = tuple[str, str]
+#: Cells with the same estimate (``Estimator.group``): the queues of a key are kept per group, so picking the
+#: longest cell costs one estimate per group, not per pending cell, however many repeats a sweep has.
+GroupKey = tuple
 
 #: Relative cost of one generated token per baseline (AR decodes one token per target forward; speculative
 #: baselines commit several per verify; B3 moves no expert bytes). Only a starting point: measurements rule.
@@ -40,8 +44,10 @@ class Task:
     last_failure: str | None = None
 
 
-def load_key(engine: str, cell: Cell) -> LoadKey:
-    return (cell.model, registry.load_group(engine, cell))
+def load_key(engine: str, cell: Cell, traits: EngineTraits | None = None) -> LoadKey:
+    """The cell's model and load group; pass ``traits`` to avoid importing a custom engine here."""
+    group = registry.load_group_for(traits, cell) if traits else registry.load_group(engine, cell)
+    return (cell.model, group)
 
 
 class Estimator:
@@ -60,7 +66,8 @@ class Estimator:
 
     def __init__(self, spec: SweepSpec) -> None:
         self.requests = spec.workload.requests
-        self._by_coords: dict[tuple, list[float]] = defaultdict(list)
+        #: coordinates -> [n, sum of seconds] of the cells measured there
+        self._by_coords: dict[tuple, list[float]] = {}
         #: (model, baseline) -> [n, sum x, sum y, sum xx, sum xy] with x = log c, y = log(seconds / base)
         self._groups: dict[tuple[str, str], list[float]] = {}
         #: model -> [n, sum x, sum y]: the scale of a model's baselines not measured yet
@@ -70,34 +77,45 @@ class Estimator:
         self._cells_seen = 0
         self._seconds_seen = 0.0
         self._loads: dict[LoadKey, list[float]] = defaultdict(list)
+        self._estimates: dict[GroupKey, float] = {}
 
     @staticmethod
     def _coords(cell: Cell) -> tuple:
         return (cell.model, cell.baseline, cell.block_size, cell.concurrency)
 
+    @classmethod
+    def group(cls, cell: Cell) -> GroupKey:
+        """What the estimate depends on: cells of one group always have the same estimate."""
+        return (*cls._coords(cell), cell.max_new_tokens)
+
     def _base(self, cell: Cell) -> float:
         return self.requests * cell.max_new_tokens * BASELINE_FACTOR.get(cell.baseline, 1.0)
-
-    def raw(self, cell: Cell) -> float:
-        """The estimate before any measurement (relative units)."""
-        return self._base(cell) * math.exp(
-            self.UNMEASURED_INTERCEPT + self.DEFAULT_SLOPE * math.log(cell.concurrency)
-        )
 
     @property
     def slope(self) -> float:
         return self._slope
 
     def estimate(self, cell: Cell) -> float:
+        """Seconds (relative units before any measurement); cached per group until the next observation."""
+        key = self.group(cell)
+        cached = self._estimates.get(key)
+        if cached is None:
+            cached = self._estimates[key] = self._estimate(cell)
+        return cached
+
+    def _estimate(self, cell: Cell) -> float:
         same = self._by_coords.get(self._coords(cell))
         if same:
-            return sum(same) / len(same)
+            return same[1] / same[0]
         group = self._groups.get((cell.model, cell.baseline)) or self._models.get(cell.model)
         intercept = (group[2] - self._slope * group[1]) / group[0] if group else self._mean_intercept
         return self._base(cell) * math.exp(intercept + self._slope * math.log(cell.concurrency))
 
     def observe(self, cell: Cell, seconds: float) -> None:
-        self._by_coords[self._coords(cell)].append(seconds)
+        self._estimates.clear()
+        same = self._by_coords.setdefault(self._coords(cell), [0, 0.0])
+        same[0] += 1
+        same[1] += seconds
         self._cells_seen += 1
         self._seconds_seen += seconds
         x, y = math.log(cell.concurrency), math.log(max(seconds, 1e-6) / self._base(cell))
@@ -136,36 +154,51 @@ class Estimator:
 class Scheduler:
     engine: str
     estimator: Estimator
-    pending: dict[LoadKey, list[Task]] = field(default_factory=lambda: defaultdict(list))
+    #: The engine's traits when the caller has them (the driver gets a custom engine's from preflight).
+    traits: EngineTraits | None = None
+    #: key -> estimate group -> tasks in arrival order; empty groups and keys are removed.
+    pending: dict[LoadKey, dict[GroupKey, deque[Task]]] = field(default_factory=dict)
+    _counts: dict[LoadKey, int] = field(default_factory=lambda: defaultdict(int))
 
     def add(self, task: Task) -> None:
-        self.pending[load_key(self.engine, task.cell)].append(task)
+        key = load_key(self.engine, task.cell, self.traits)
+        groups = self.pending.setdefault(key, {})
+        groups.setdefault(Estimator.group(task.cell), deque()).append(task)
+        self._counts[key] += 1
 
     def has_pending(self) -> bool:
-        return any(self.pending.values())
+        return any(self._counts.values())
 
     def pending_count(self, key: LoadKey | None = None) -> int:
         if key is not None:
-            return len(self.pending.get(key, ()))
-        return sum(len(v) for v in self.pending.values())
+            return self._counts.get(key, 0)
+        return sum(self._counts.values())
 
     def pending_work(self, key: LoadKey) -> float:
-        return sum(self.estimator.estimate(t.cell) for t in self.pending.get(key, ()))
+        groups = self.pending.get(key, {})
+        return sum(len(q) * self.estimator.estimate(q[0].cell) for q in groups.values())
 
     def total_pending_work(self) -> float:
         return sum(self.pending_work(k) for k in self.pending)
 
     def take(self, key: LoadKey) -> Task | None:
         """The longest pending cell of a key (removed from the queue), or None."""
-        queue = self.pending.get(key)
-        if not queue:
+        groups = self.pending.get(key)
+        if not groups:
             return None
-        best = max(range(len(queue)), key=lambda i: self.estimator.estimate(queue[i].cell))
-        return queue.pop(best)
+        best = max(groups, key=lambda g: self.estimator.estimate(groups[g][0].cell))
+        task = groups[best].popleft()
+        if not groups[best]:
+            del groups[best]
+            if not groups:
+                del self.pending[key]
+        self._counts[key] -= 1
+        return task
 
     def drop_key(self, key: LoadKey) -> list[Task]:
         """Remove and return every pending task of a key (e.g. its model cannot be loaded)."""
-        return self.pending.pop(key, [])
+        self._counts.pop(key, None)
+        return [t for q in self.pending.pop(key, {}).values() for t in q]
 
     def choose_key(
         self, holders: dict[LoadKey, int], current: LoadKey | None = None, *, rebalance: bool = False
@@ -179,16 +212,16 @@ class Scheduler:
         key at (W + L)/(h + 1) instead of W/h; it steals when W/(h + 1) > L, i.e. when the time saved is of the
         order of the load it costs.
         """
-        if current is not None and self.pending.get(current):
+        if current is not None and self._counts.get(current):
             return (self.rebalance_target(holders, current) if rebalance else None) or current
-        keys = [k for k, q in self.pending.items() if q]
+        keys = [k for k in self.pending if self._counts[k]]
         if not keys:
             return None
         unheld = [k for k in keys if holders.get(k, 0) == 0]
         if unheld:
             return max(unheld, key=lambda k: (self.pending_work(k), k))
         # A key with no more pending cells than holders has nothing to give to one more runner.
-        keys = [k for k in keys if len(self.pending[k]) > holders[k]]
+        keys = [k for k in keys if self._counts[k] > holders[k]]
         if not keys:
             return None
         best = max(keys, key=lambda k: (self.pending_work(k) / holders[k], k))
@@ -210,10 +243,10 @@ class Scheduler:
             return None
         candidates = [
             k
-            for k, q in self.pending.items()
+            for k in self.pending
             if k != current
             and holders.get(k, 0) > 0
-            and len(q) > holders[k]
+            and self._counts[k] > holders[k]
             and self.estimator.measured(k[0])
         ]
         if not candidates:

@@ -1,178 +1,67 @@
-"""The sweep directory and the resume rules, in one place (pure: no Ray).
+"""The sweep directory while a sweep runs: the collector's ``SweepStore`` (pure: no Ray).
 
 Layout of a sweep directory ``OUT``::
 
     rows.jsonl          append-only source of truth, one row per line (flush + fsync per row)
-    sweep.json          spec, fingerprint, versions, cluster summary, runs, boxes taken out of rotation
+    sweep.json          spec (env as names + hash), fingerprint, versions, cluster summary, runs and outcomes,
+                        boxes taken out of rotation
+    events.jsonl        runner deaths, requeues, timeouts, load failures, boxes out of rotation, stops (one
+                        JSON object per line, appended like rows)
     errors/<cell>.txt   one file per failed cell (tracebacks, timeouts), appended per attempt
     result_matrix.*     rewritten atomically from the current rows (pd_dflash.report)
     archive/<stamp>/    what ``--restart`` moved aside (nothing is ever deleted)
 
-Which row stands for a cell (the *current* row): a row with a final status (every status except ERROR and
-TIMEOUT) is never superseded; otherwise the last stored row of the cell is current. ``--retry-errors`` therefore
-appends a new attempt after an ERROR/TIMEOUT row instead of deleting it, and every reader of a sweep directory
-(the collector's matrices, ``current_rows``) sees exactly one row per cell.
+Which rows count and what a run must measure (the resume rules) are in ``resume.py``.
+
+A write that fails (disk full, I/O error) breaks the store: it raises ``StorageError`` and refuses every later
+write, so nothing is appended after a failed append and the driver stops the sweep. Files are created 0640
+and directories 0750 at most (the collector also runs with umask 027): results may hold unpublished figures.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import shutil
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterator
 from datetime import datetime, timezone
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from pd_dflash.errors import InputError
-from pd_dflash.rows import ROWS_FILE, append_row, read_rows, repair_torn_tail, write_atomic
-from pd_dflash.schema import FINAL_STATUSES, Row, Status
-from pd_dflash.spec import Cell, SweepSpec, expand
+from pd_dflash.rows import ROWS_FILE, append_json, append_row, read_rows, repair_torn_tail, write_atomic
+from pd_dflash.schema import Row
+from pd_dflash.spec import SweepSpec, expand
+from pd_dflash.sweep.manifest import env_summary
+from pd_dflash.sweep.resume import (
+    ARCHIVE_DIR,
+    SWEEP_FILE,
+    Mode,
+    StoredCell,
+    check_resumable,
+    current_rows,
+    probe_writable,
+    read_sweep_json,
+    row_key,
+    stored_cells,
+)
 
-SWEEP_FILE = "sweep.json"
+EVENTS_FILE = "events.jsonl"
 ERRORS_DIR = "errors"
-ARCHIVE_DIR = "archive"
 LOCK_FILE = ".lock"
+#: Temporary files a crash can leave (atomic rewrites, the writability probe); removed when OUT is opened.
+STALE_PATTERNS = (".*.tmp*", ".probe-*")
 
 
-class Mode(str, Enum):
-    """What to do with rows already in OUT."""
-
-    RESUME = "resume"  # skip every stored cell (the default)
-    RESTART = "restart"  # archive OUT's contents and start over (a changed spec is accepted)
-    RETRY_ERRORS = "retry-errors"  # like resume, and rerun cells whose current row is ERROR/TIMEOUT
-
-    def __str__(self) -> str:
-        return self.value
+class StorageError(RuntimeError):
+    """OUT cannot be written (disk full, I/O error, permissions): nothing more can be stored."""
 
 
 def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def row_key(row: Row) -> str:
-    """A row's cell: its cell id, or its upstream identity for rows written without one."""
-    return row.cell_id or "|".join(str(part) for part in row.identity)
-
-
-def current_rows(rows: Iterable[Row]) -> list[Row]:
-    """One row per cell: the last final row when there is one, else the last row (in order of first sight)."""
-    chosen: dict[str, Row] = {}
-    for row in rows:
-        key = row_key(row)
-        held = chosen.get(key)
-        if held is None or held.status not in FINAL_STATUSES:
-            chosen[key] = row
-    return list(chosen.values())
-
-
-def current_rows_of(out_dir: str | Path) -> list[Row]:
-    """The current rows of a sweep directory (a torn last line is ignored, as resume would repair it)."""
-    path = Path(out_dir) / ROWS_FILE
-    if not path.exists():
-        return []
-    rows, _ = read_rows(path, tolerate_torn_tail=True)
-    return current_rows(rows)
-
-
-@dataclass(frozen=True)
-class StoredCell:
-    status: Status
-    #: The highest attempt stored for the cell; a retry is stored as attempt + 1.
-    attempt: int
-
-    @property
-    def final(self) -> bool:
-        return self.status in FINAL_STATUSES
-
-
-def stored_cells(rows: Iterable[Row]) -> dict[str, StoredCell]:
-    rows = list(rows)
-    attempts: dict[str, int] = {}
-    for row in rows:
-        attempts[row_key(row)] = max(attempts.get(row_key(row), 0), row.attempt)
-    return {row_key(r): StoredCell(r.status, attempts[row_key(r)]) for r in current_rows(rows)}
-
-
-def cells_to_run(cells: list[Cell], stored: dict[str, StoredCell], mode: Mode) -> list[tuple[Cell, int]]:
-    """(cell, attempt of its next row) for every cell this run must measure, in expansion order."""
-    todo = []
-    for cell in cells:
-        held = stored.get(cell.cell_id)
-        if held is None:
-            todo.append((cell, 1))
-        elif mode == Mode.RETRY_ERRORS and not held.final:
-            todo.append((cell, held.attempt + 1))
-    return todo
-
-
-# -- read-only inspection (preflight) ---------------------------------------------------------------------
-
-
-def _read_sweep_json(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"cannot read the sweep record: {exc}", where=str(path)) from None
-    if not isinstance(data, dict):
-        raise InputError("the sweep record must be a JSON object", where=str(path))
-    return data
-
-
-def check_resumable(out_dir: Path, spec: SweepSpec, mode: Mode) -> None:
-    """Raise InputError when OUT holds rows of another spec and the mode does not allow replacing them."""
-    if mode == Mode.RESTART:
-        return
-    rows_path = out_dir / ROWS_FILE
-    if not rows_path.exists():
-        return
-    rows, torn = read_rows(rows_path, tolerate_torn_tail=True)
-    if not rows and torn is None:
-        return
-    fingerprint = spec.fingerprint()
-    record = _read_sweep_json(out_dir / SWEEP_FILE)
-    stored_fp = record.get("fingerprint") if record else None
-    if stored_fp is not None and stored_fp != fingerprint:
-        raise InputError(
-            f"holds {len(rows)} rows of a spec with fingerprint {stored_fp}, but this spec's fingerprint is "
-            f"{fingerprint} (the measurement changed). Use --restart to archive them under "
-            f"{ARCHIVE_DIR}/ and start over, or choose another --out",
-            where=str(out_dir),
-        )
-    expected = {c.cell_id for c in expand(spec)}
-    foreign = sorted({row_key(r) for r in rows} - expected)
-    if foreign:
-        raise InputError(
-            f"{ROWS_FILE} holds {len(foreign)} cells that are not in this spec (e.g. {foreign[0]}) "
-            f"and {'no ' + SWEEP_FILE + ' names their spec' if stored_fp is None else 'the record is inconsistent'}"
-            ". Use --restart to archive them and start over, or choose another --out",
-            where=str(out_dir),
-        )
-
-
-def probe_writable(out_dir: Path) -> None:
-    """Create OUT and write, fsync and remove a probe file there; InputError when that fails."""
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".probe-{os.getpid()}"
-        with open(probe, "w") as fh:
-            fh.write("probe\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        probe.unlink()
-    except OSError as exc:
-        raise InputError(
-            f"results directory is not writable: {exc.strerror or exc}", where=str(out_dir)
-        ) from None
-
-
-# -- the store (owned by the collector) -------------------------------------------------------------------
 
 
 class SweepStore:
@@ -188,6 +77,8 @@ class SweepStore:
         self._stored: dict[str, StoredCell] = {}
         self._lock_fd: int | None = None
         self.record: dict[str, Any] = {}
+        #: Why OUT cannot be written any more (the first failed write), or None.
+        self.broken: str | None = None
 
     @property
     def rows_path(self) -> Path:
@@ -195,7 +86,7 @@ class SweepStore:
 
     # opening ---------------------------------------------------------------------------------------------
     def open(self, *, run_info: dict[str, Any] | None = None, new_run: bool = True) -> dict[str, Any]:
-        """Lock OUT, check or archive what it holds, repair a torn tail, load the rows, record this run.
+        """Lock OUT, check or archive what it holds, repair what a crash left, load the rows, record this run.
 
         ``new_run=False`` reopens for the same run (a restarted collector): the run record is continued.
         """
@@ -206,15 +97,8 @@ class SweepStore:
             if self.mode == Mode.RESTART and self._has_content():
                 archived = self._archive()
             check_resumable(self.out_dir, self.spec, self.mode)
-            torn_aside = None
-            if self.rows_path.exists():
-                rows, torn = read_rows(self.rows_path, tolerate_torn_tail=True)
-                if torn is not None:
-                    torn_aside = str(repair_torn_tail(self.rows_path, torn))
-                self.rows = rows
-            for row in self.rows:
-                self._attempts_seen.add((row_key(row), row.attempt))
-            self._stored = stored_cells(self.rows)
+            removed = self._remove_stale_files()
+            torn_aside = self._load_rows()
             self._start_record(run_info or {}, new_run=new_run)
         except BaseException:
             self.close()
@@ -224,12 +108,36 @@ class SweepStore:
             "rows": len(self.rows),
             "archived": archived,
             "torn_tail_moved_to": torn_aside,
+            "removed_stale_files": removed,
         }
+
+    def _load_rows(self) -> str | None:
+        """Read the rows (a torn last line is moved aside: returns where), and index what is stored."""
+        torn_aside = None
+        if self.rows_path.exists():
+            rows, torn = read_rows(self.rows_path, tolerate_torn_tail=True)
+            if torn is not None:
+                torn_aside = str(repair_torn_tail(self.rows_path, torn))
+            self.rows = rows
+        for row in self.rows:
+            self._attempts_seen.add((row_key(row), row.attempt))
+        self._stored = stored_cells(self.rows)
+        return torn_aside
+
+    def _remove_stale_files(self) -> list[str]:
+        """Temporary files of writes a crash interrupted (only this store writes OUT while it holds the lock)."""
+        removed = []
+        for folder in (self.out_dir, self.out_dir / "plots"):
+            for pattern in STALE_PATTERNS:
+                for path in sorted(folder.glob(pattern)) if folder.is_dir() else []:
+                    path.unlink(missing_ok=True)
+                    removed.append(str(path.relative_to(self.out_dir)))
+        return removed
 
     def _lock(self) -> None:
         if self._lock_fd is not None:
             return
-        fd = os.open(self.out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -243,9 +151,10 @@ class SweepStore:
         self._lock_fd = fd
 
     def close(self) -> None:
-        """Record the final counts and release the lock."""
-        if self._lock_fd is not None and self.record:
-            self._flush_record()
+        """Record the final counts (when OUT can still be written) and release the lock."""
+        if self._lock_fd is not None and self.record and not self.broken:
+            with contextlib.suppress(StorageError):
+                self._flush_record()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -260,16 +169,29 @@ class SweepStore:
         while target.exists():
             n += 1
             target = self.out_dir / ARCHIVE_DIR / f"{stamp}-{n}"
-        target.mkdir(parents=True)
+        target.mkdir(mode=0o750, parents=True)
         for p in sorted(self.out_dir.iterdir()):
             if p.name in (ARCHIVE_DIR, LOCK_FILE):
                 continue
             shutil.move(str(p), str(target / p.name))
         return str(target)
 
+    # writing ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _writing(self, what: str) -> Iterator[None]:
+        """Turn a failed write into ``StorageError`` and break the store: no write follows a failed one."""
+        if self.broken:
+            raise StorageError(self.broken)
+        try:
+            yield
+        except OSError as exc:
+            where = exc.filename or self.out_dir / what
+            self.broken = f"cannot write {where}: {exc.strerror or exc} (errno {exc.errno})"
+            raise StorageError(self.broken) from None
+
     # the record (sweep.json) -----------------------------------------------------------------------------
     def _start_record(self, run_info: dict[str, Any], *, new_run: bool) -> None:
-        previous = _read_sweep_json(self.out_dir / SWEEP_FILE)
+        previous = read_sweep_json(self.out_dir / SWEEP_FILE)
         if not new_run and previous is not None and previous.get("runs"):
             self.record = previous
             run = self.record["runs"][-1]
@@ -281,7 +203,7 @@ class SweepStore:
             "name": self.spec.name,
             "fingerprint": self.spec.fingerprint(),
             "cells": len(self.cells),
-            "spec": self.spec.model_dump(mode="json"),
+            "spec": {**self.spec.model_dump(mode="json"), "env": env_summary(self.spec.env)},
             "created_at": (previous or {}).get("created_at", utc_now()) if keep_history else utc_now(),
             "updated_at": utc_now(),
             "runs": list((previous or {}).get("runs", [])) if keep_history else [],
@@ -303,9 +225,10 @@ class SweepStore:
     def _flush_record(self) -> None:
         self.record["updated_at"] = utc_now()
         self.record["counts"] = self.counts()
-        write_atomic(self.out_dir / SWEEP_FILE, json.dumps(self.record, indent=2, sort_keys=False) + "\n")
+        with self._writing(SWEEP_FILE):
+            write_atomic(self.out_dir / SWEEP_FILE, json.dumps(self.record, indent=2, sort_keys=False) + "\n")
 
-    # rows ------------------------------------------------------------------------------------------------
+    # rows and events -------------------------------------------------------------------------------------
     def stored(self) -> dict[str, StoredCell]:
         return dict(self._stored)
 
@@ -339,18 +262,24 @@ class SweepStore:
         held = self._stored.get(cell.cell_id)
         if (held is not None and held.final) or (cell.cell_id, row.attempt) in self._attempts_seen:
             return False
-        if error_text:
-            self.write_error(row, error_text)
-        append_row(self.rows_path, row)
+        with self._writing(ROWS_FILE):
+            if error_text:
+                self.write_error(row, error_text)
+            append_row(self.rows_path, row)
         self.rows.append(row)
         self._attempts_seen.add((cell.cell_id, row.attempt))
         self._stored[cell.cell_id] = StoredCell(row.status, max(row.attempt, held.attempt if held else 0))
         return True
 
+    def add_event(self, event: dict[str, Any]) -> None:
+        """Append one event (a runner death, a requeue, a timeout...) to events.jsonl."""
+        with self._writing(EVENTS_FILE):
+            append_json(self.out_dir / EVENTS_FILE, {"at": utc_now(), **event})
+
     def write_error(self, row: Row, text: str) -> Path:
         """Append one attempt's failure to ``errors/<cell_id>.txt`` (fsynced: it outlives any crash)."""
         path = self.out_dir / ERRORS_DIR / f"{row.cell_id}.txt"
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(mode=0o750, exist_ok=True)
         runner = row.runner or {}
         header = (
             f"=== {row.status.value} attempt {row.attempt} at {row.finished_at or utc_now()} "
@@ -358,7 +287,8 @@ class SweepStore:
             f"cell: {row.model} {row.baseline} B={row.block_size} c={row.concurrency} repeat={row.repeat}\n"
             f"reason: {row.reason}\n"
         )
-        with open(path, "a", encoding="utf-8") as fh:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        with open(fd, "a", encoding="utf-8") as fh:
             fh.write(header + text.rstrip("\n") + "\n\n")
             fh.flush()
             os.fsync(fh.fileno())

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pd_dflash.engine.registry import check
 from pd_dflash.errors import InputError
-from pd_dflash.spec import expand, load_spec, parse_spec, plan
+from pd_dflash.plan import plan
+from pd_dflash.spec import expand, load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,7 +119,7 @@ def test_fingerprint_ignores_gates_and_name_but_not_axes():
 )
 def test_bad_spec_names_the_field(over, field):
     with pytest.raises(InputError) as err:
-        parse_spec(base_spec(**over))
+        check(parse_spec(base_spec(**over)))
     assert field in str(err.value)
 
 

@@ -1,7 +1,8 @@
 """Engines for orchestrator tests and benchmarks: no torch, no model, clearly synthetic metrics.
 
 ``FixedDurationEngine`` sleeps a configured time per cell (and per model load) and returns a valid OK result;
-``FaultEngine`` misbehaves on chosen cells: it kills its own process, hangs, or raises. Both append a line
+``FaultEngine`` misbehaves on chosen cells: it kills its own process, hangs, or raises, and can echo environment
+variables into what it reports (as a careless engine would echo a token). Both append a line
 ``<cell_id> <pid>`` to the file named by $PD_DFLASH_TEST_RECORD (set through the spec's ``env``) when a cell
 starts, so tests can prove which cells ran where.
 """
@@ -117,6 +118,8 @@ class FaultOptions(BaseModel):
     state_dir: str | None = None
     #: Every cell run on this Ray node kills its runner (a broken box, for the circuit breaker).
     bad_node: str | None = None
+    #: Environment variables whose values the engine puts into its facts, warnings and exception messages.
+    echo_env: list[str] = Field(default_factory=list)
 
 
 def fault_selector(cell: Cell) -> str:
@@ -156,9 +159,21 @@ class FaultEngine(Engine):
         if behavior == "hang":
             while True:
                 time.sleep(3600)
+        echoed = {name: os.environ.get(name, "") for name in self.options.echo_env}
         if behavior == "raise":
-            raise RuntimeError(f"injected failure for {fault_selector(cell)}")
-        return synthetic_result(cell, self.ctx.workload.requests, self.options.seconds)
+            raise RuntimeError(
+                f"injected failure for {fault_selector(cell)}{' ' + str(echoed) if echoed else ''}"
+            )
+        result = synthetic_result(cell, self.ctx.workload.requests, self.options.seconds)
+        if echoed:
+            echo = [f"{k}={v}" for k, v in echoed.items()]
+            result = result.model_copy(
+                update={
+                    "engine": {**result.engine, "env_seen": echoed},
+                    "warnings": [*result.warnings, *echo],
+                }
+            )
+        return result
 
 
 class MissingRequirementEngine(FixedDurationEngine):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -116,3 +118,54 @@ def kill_pids(pids: list[int]) -> None:
         if not alive:
             return
         time.sleep(0.1)
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket in LISTEN state held by the given processes (from /proc)."""
+    by_inode: dict[str, tuple[str, int]] = {}
+    for family, table in ((socket.AF_INET, "/proc/net/tcp"), (socket.AF_INET6, "/proc/net/tcp6")):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":  # TCP_LISTEN
+                continue
+            hex_ip, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_ip)
+            # /proc prints each 32-bit word of the address in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            by_inode[fields[9]] = (socket.inet_ntop(family, raw), int(hex_port, 16))
+    found = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in (Path("/proc") / str(pid) / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:[") and target[8:-1] in by_inode:
+                        found.append((*by_inode[target[8:-1]], pid))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address.removeprefix("::ffff:")).is_loopback
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str):
+    """A tmpfs of ``size`` mounted at ``path`` (needs root or CAP_SYS_ADMIN: skips the test otherwise)."""
+    import pytest
+
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def resize_filesystem(path: Path, size: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True, capture_output=True)

@@ -1,6 +1,6 @@
 """The driver on a real multi-node Ray cluster (ray.cluster_utils.Cluster): a head and 2 boxes x 2 fake GPUs.
 
-One cluster for the whole module (ray-anchors.md §4). The node-removal test runs last: it takes a box away.
+One cluster for the whole module (a cluster start costs seconds). The node-removal test runs last: it takes a box away.
 """
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
+import sys
 import threading
 import time
 from collections import Counter
@@ -18,11 +20,23 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from pd_dflash.errors import InputError  # noqa: E402
+from pd_dflash.rows import read_rows  # noqa: E402
 from pd_dflash.schema import Status, parse_row  # noqa: E402
 from pd_dflash.spec import expand  # noqa: E402
-from pd_dflash.sweep.driver import RunOptions, run_sweep  # noqa: E402
-from pd_dflash.sweep.store import Mode, current_rows  # noqa: E402
-from tests.sweep.helpers import FAULT, REPO, make_spec, recorded, stored_rows  # noqa: E402
+from pd_dflash.sweep.cluster import run_sweep  # noqa: E402
+from pd_dflash.sweep.manifest import env_summary  # noqa: E402
+from pd_dflash.sweep.options import RunOptions  # noqa: E402
+from pd_dflash.sweep.resume import Mode, current_rows  # noqa: E402
+from tests.sweep.helpers import (  # noqa: E402
+    FAULT,
+    REPO,
+    make_spec,
+    recorded,
+    resize_filesystem,
+    small_filesystem,
+    stored_rows,
+)
+from tests.sweep.probe_engine import ENTRY_POINT as PROBE  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -73,6 +87,7 @@ def options(out, **over):
         "refresh_s": 0.5,
         "cell_timeout_s": 30.0,
         "plots": False,
+        "insecure": True,  # the test cluster runs with RAY_AUTH_MODE=disabled (tests/conftest.py)
     }
     base.update(over)
     return RunOptions(**base)
@@ -92,7 +107,7 @@ def assert_complete(spec, out):
     return rows
 
 
-def test_cells_spread_over_both_boxes_and_every_row_is_valid(cluster, tmp_path):
+def test_cells_spread_over_both_boxes_and_every_row_is_valid(cluster, tmp_path, capsys):
     _, boxes = cluster
     spec = make_spec(env={"PD_DFLASH_TEST_RECORD": str(tmp_path / "ran.txt")})
     outcome = run_sweep(spec, options(tmp_path / "out"))
@@ -107,6 +122,8 @@ def test_cells_spread_over_both_boxes_and_every_row_is_valid(cluster, tmp_path):
     # 4 runners over 2 models: each runner loads once.
     assert outcome.loads <= 4 + 2 - 1
     assert (tmp_path / "out" / "result_matrix.json").exists()
+    # The test cluster has no token auth: --insecure let the run start, with a warning.
+    assert "WARNING: the cluster runs without token authentication" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +181,20 @@ def test_an_engine_exception_gives_an_error_row_with_its_traceback(faulty):
     assert all(r.status == Status.OK for r in others)
 
 
+def test_runner_deaths_requeues_and_timeouts_are_appended_to_events_jsonl(faulty):
+    spec, tmp, _ = faulty
+    lines = (tmp / "out" / "events.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    assert all(e["at"] and e["event"] for e in events)
+    killed, hung = cell_of(spec, "B1", 1).cell_id, cell_of(spec, "B1", 2).cell_id
+    died = [e for e in events if e["event"] == "runner_died"]
+    assert [e["cell_id"] for e in died] == [killed] and "runner died" in died[0]["cause"]
+    again = [e for e in events if e["event"] == "requeued" and e["cell_id"] == killed]
+    assert again[0]["attempt"] == 2 and again[0]["was_running"] is True
+    timeouts = [e for e in events if e["event"] == "timeout"]
+    assert [e["cell_id"] for e in timeouts] == [hung] and timeouts[0]["cell_timeout_s"] == 4.0
+
+
 def test_retry_errors_reruns_only_error_and_timeout_cells(faulty):
     spec, tmp, _ = faulty
     before = stored_rows(tmp / "out")
@@ -215,6 +246,100 @@ def test_preflight_failures_exit_before_any_actor_starts(cluster, tmp_path, over
         assert "The cluster has:" in str(err.value) and "accelerator types RTX-PRO-6000" in str(err.value)
     assert actors_by_class() == before
     assert not (tmp_path / "out" / "rows.jsonl").exists() and not (tmp_path / "out" / "sweep.json").exists()
+
+
+def test_a_cluster_without_token_auth_is_refused_unless_insecure(cluster, tmp_path):
+    before = actors_by_class()
+    with pytest.raises(InputError, match="without token authentication") as err:
+        run_sweep(make_spec(), options(tmp_path / "out", insecure=False))
+    assert "RAY_AUTH_MODE=disabled" in str(err.value) and "--insecure" in str(err.value)
+    assert actors_by_class() == before and not (tmp_path / "out").exists()
+
+
+SECRET = "hf_TESTtoken0123456789abcdef"
+
+
+def test_env_values_reach_the_engine_but_no_file_of_the_results_directory(cluster, tmp_path):
+    env = {"HF_TOKEN": SECRET, "HF_HUB_OFFLINE": "1"}
+    engine_options = {"seconds": 0.1, "echo_env": ["HF_TOKEN"], "behaviors": {"B1/c1/r0": "raise"}}
+    spec = make_spec(engine=FAULT, models=[{"id": "m1", "engine_options": engine_options}], env=env)
+    out = tmp_path / "out"
+    outcome = run_sweep(spec, options(out))
+    assert outcome.exit_code == 1  # the one cell that raised
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert {"rows.jsonl", "sweep.json", "result_matrix.json"} <= {p.name for p in files}
+    for path in files:
+        assert SECRET.encode() not in path.read_bytes(), path
+    rows = stored_rows(out)
+    assert all(r.environment["spec_env"] == env_summary(env) for r in rows)
+    assert env_summary(env)["names"] == ["HF_HUB_OFFLINE", "HF_TOKEN"]
+    # The engine did see the value (it echoed it), and what it echoed was replaced before anything was written.
+    ok = next(r for r in rows if r.status == Status.OK)
+    assert (
+        ok.engine["env_seen"] == {"HF_TOKEN": "<env HF_TOKEN>"} and "HF_TOKEN=<env HF_TOKEN>" in ok.warnings
+    )
+    failed = next(r for r in rows if r.status == Status.ERROR)
+    assert "<env HF_TOKEN>" in failed.reason
+    assert "<env HF_TOKEN>" in (out / "errors" / f"{failed.cell_id}.txt").read_text()
+    assert json.loads((out / "sweep.json").read_text())["spec"]["env"] == env_summary(env)
+    # Created 0640 / 0750 at most: nothing for other users.
+    for path in [out, *out.rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode & 0o027 == 0, (path, oct(mode))
+
+
+def test_a_custom_engine_is_imported_by_runners_and_preflight_only(cluster, tmp_path):
+    spec = make_spec(engine=PROBE, baselines=["B0", "B2", "B3"], models=[{"id": "m1"}])
+    sys.modules.pop("tests.sweep.probe_engine", None)  # loading the spec validated its name there
+    outcome = run_sweep(spec, options(tmp_path / "out"))
+    assert "tests.sweep.probe_engine" not in sys.modules  # the driver planned and scheduled without it
+    assert outcome.exit_code == 0
+    rows = {r.baseline: r for r in stored_rows(tmp_path / "out")}
+    # Its traits reached the driver from preflight: B2 refused with its reason, B3 on a load of its own.
+    assert rows["B2"].status == Status.REFUSED and "no token-deficit scheduler" in rows["B2"].reason
+    assert rows["B0"].runner["load_group"] == "shared" and rows["B3"].runner["load_group"] == "resident"
+
+
+def test_a_full_disk_stops_the_sweep_and_resume_repairs_what_it_left(cluster, tmp_path, capsys):
+    spec = make_spec(
+        models=[
+            {"id": "m1", "engine_options": {"seconds": 0.3}},
+            {"id": "m2", "engine_options": {"seconds": 0.3}},
+        ],
+        repeats=4,
+        env={"PD_DFLASH_TEST_RECORD": str(tmp_path / "ran.txt")},
+    )
+    total = len(expand(spec))
+    with small_filesystem(tmp_path / "disk", "64k") as disk:
+        out = disk / "out"
+        outcome = run_sweep(spec, options(out))
+        assert outcome.exit_code == 1 and outcome.outcome == "storage_failed", outcome
+        assert "No space left on device" in outcome.stopped and "rows.jsonl" in outcome.stopped
+        assert "cannot store results" in capsys.readouterr().out
+        kept, torn = read_rows(out / "rows.jsonl", tolerate_torn_tail=True)
+        assert 0 < len(kept) < total
+        # No measuring into the void: at most what the 4 runners had in hand when the failure came back.
+        assert len(recorded(tmp_path / "ran.txt")) <= len(kept) + 12
+
+        resize_filesystem(disk, "16m")  # space comes back
+        outcome = run_sweep(spec, options(out))
+        said = capsys.readouterr().out
+        assert outcome.exit_code == 0, said
+        rows = stored_rows(out)  # strict: no torn line left anywhere
+        assert sorted(r.cell_id for r in rows) == sorted(c.cell_id for c in expand(spec))
+        assert [r.cell_id for r in rows[: len(kept)]] == [r.cell_id for r in kept]  # nothing stored was lost
+        if torn is not None:  # a partial line was left: resume moved it aside and said so
+            assert "repaired a torn last line" in said and (out / "rows.jsonl.torn").exists()
+
+
+def test_a_results_directory_too_full_to_open_is_refused_before_any_cell_runs(cluster, tmp_path):
+    with small_filesystem(tmp_path / "disk", "8k") as disk:  # room for the probe and the lock, not sweep.json
+        before = actors_by_class()["RunnerActor"] + actors_by_class()["Runner"]
+        with pytest.raises(InputError, match="No space left on device") as err:
+            run_sweep(make_spec(), options(disk / "out"))
+        assert "cannot prepare the results directory" in str(err.value)
+        assert actors_by_class()["RunnerActor"] + actors_by_class()["Runner"] == before
+        assert not (disk / "out" / "rows.jsonl").exists()
 
 
 def test_unwritable_results_directory_exits_before_any_actor_starts(cluster, tmp_path):

@@ -98,6 +98,7 @@ def test_ray_job_submit_runs_the_sweep_and_writes_its_matrix(head, tmp_path):
             str(spec_path),
             "--out",
             str(out),
+            "--insecure",  # the test head runs with RAY_AUTH_MODE=disabled
         ],
         cwd=REPO,
         env=env,

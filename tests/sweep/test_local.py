@@ -14,7 +14,8 @@ from pd_dflash.errors import InputError
 from pd_dflash.schema import Row
 from pd_dflash.spec import expand, parse_spec
 from pd_dflash.sweep.cli import options_from_args
-from pd_dflash.sweep.store import Mode, SweepStore
+from pd_dflash.sweep.resume import Mode
+from pd_dflash.sweep.store import SweepStore
 from tests.sweep.engines import synthetic_result
 from tests.sweep.helpers import REPO, run_cli, spec_data, stored_rows, write_spec
 
@@ -46,6 +47,8 @@ def test_run_arguments_are_checked():
     )
     opts = options_from_args(parse(["run", "s.yaml", "--out", "o", "--restart", "--cell-timeout", "5"]))
     assert opts.mode == Mode.RESTART and opts.cell_timeout_s == 5
+    assert not opts.insecure
+    assert options_from_args(parse(["run", "s.yaml", "--out", "o", "--insecure"])).insecure
     with pytest.raises(InputError, match="--max-attempts"):
         options_from_args(parse(["run", "s.yaml", "--out", "o", "--max-attempts", "0"]))
     with pytest.raises(InputError, match="--cell-timeout"):
@@ -75,7 +78,8 @@ def test_phase_a_entrypoint_requires_an_absolute_out(tmp_path):
 
 
 def test_the_make_run_spec_plans_every_configuration():
-    from pd_dflash.spec import load_spec, plan
+    from pd_dflash.plan import plan
+    from pd_dflash.spec import load_spec
 
     spec = load_spec(REPO / "jobs" / "cpu_reference.yaml")
     planned = plan(spec)

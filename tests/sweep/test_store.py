@@ -1,8 +1,12 @@
-"""The sweep directory rules (pure, no Ray): current row per cell, resume plan, dedupe, torn tail, restart."""
+"""The sweep directory rules (pure, no Ray): current row per cell, resume plan, dedupe, torn tail, restart,
+storage failures, stale temporary files, events, what is recorded of the spec's env."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 
 import pytest
 
@@ -10,15 +14,16 @@ from pd_dflash.errors import InputError
 from pd_dflash.rows import append_row
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import expand
-from pd_dflash.sweep.store import (
+from pd_dflash.sweep.manifest import env_summary, redact
+from pd_dflash.sweep.resume import (
     ARCHIVE_DIR,
     Mode,
-    SweepStore,
     cells_to_run,
     current_rows,
     current_rows_of,
     stored_cells,
 )
+from pd_dflash.sweep.store import StorageError, SweepStore
 from tests.sweep.engines import synthetic_result
 from tests.sweep.helpers import make_spec, stored_rows
 
@@ -163,3 +168,81 @@ def test_reopen_for_the_same_run_continues_its_record(tmp_path, spec):
     assert opened["rows"] == 1 and not opened["archived"]
     record = json.loads((tmp_path / "sweep.json").read_text())
     assert len(record["runs"]) == 1 and record["runs"][0]["collector_restarts"] == 1
+
+
+def test_a_failed_write_breaks_the_store_and_nothing_is_written_after_it(tmp_path, spec, monkeypatch):
+    cells = expand(spec)
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    store.open()
+    store.add(ok_row(cells[0]))
+    size = (tmp_path / "rows.jsonl").stat().st_size
+
+    def full_disk(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(StorageError, match="No space left on device") as err:
+        store.add(ok_row(cells[1]))
+    assert "rows.jsonl" in str(err.value)
+    monkeypatch.undo()  # space comes back: the store still writes nothing (the driver is stopping)
+    for attempt in (lambda: store.add(ok_row(cells[2])), lambda: store.add_event({"event": "x"})):
+        with pytest.raises(StorageError, match="No space left on device"):
+            attempt()
+    store.close()
+    assert (tmp_path / "rows.jsonl").stat().st_size == size and not (tmp_path / "events.jsonl").exists()
+    reopened = SweepStore(tmp_path, spec, Mode.RESUME)  # resume: the stored row is intact
+    assert list(reopened.open()["stored"]) == [cells[0].cell_id]
+    reopened.close()
+
+
+def test_reopening_removes_temporary_files_a_crash_left_and_says_so(tmp_path, spec):
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    store.open()
+    store.close()
+    (tmp_path / ".sweep.json.tmp-4242").write_text('{"half": ')  # an atomic rewrite cut by a crash
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / ".m1.png.tmp-4242").write_bytes(b"\x89PNG")
+    (tmp_path / ".probe-4242").write_text("probe\n")
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    opened = store.open()
+    store.close()
+    assert sorted(opened["removed_stale_files"]) == [
+        ".probe-4242",
+        ".sweep.json.tmp-4242",
+        "plots/.m1.png.tmp-4242",
+    ]
+    assert sorted(p.name for p in tmp_path.rglob(".*") if p.name != ".lock") == []
+
+
+def test_events_are_appended_as_one_json_object_per_line(tmp_path, spec):
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    store.open()
+    store.add_event({"event": "runner_died", "cell_id": "abc", "cause": "runner died: exit 17"})
+    store.add_event({"event": "requeued", "cell_id": "abc", "attempt": 2})
+    store.close()
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    assert [e["event"] for e in events] == ["runner_died", "requeued"] and all(e["at"] for e in events)
+    assert stat.S_IMODE((tmp_path / "events.jsonl").stat().st_mode) & 0o027 == 0
+
+
+def test_the_sweep_record_keeps_env_names_and_a_hash_never_values(tmp_path):
+    spec = make_spec(env={"HF_TOKEN": "hf_abcdefgh12345678", "HF_HUB_OFFLINE": "1"})
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    store.open()
+    store.close()
+    text = (tmp_path / "sweep.json").read_text()
+    assert "hf_abcdefgh12345678" not in text
+    recorded_env = json.loads(text)["spec"]["env"]
+    assert (
+        recorded_env["names"] == ["HF_HUB_OFFLINE", "HF_TOKEN"] and len(recorded_env["values_sha256"]) == 64
+    )
+    other = env_summary({"HF_TOKEN": "hf_abcdefgh12345679", "HF_HUB_OFFLINE": "1"})
+    assert other["values_sha256"] != recorded_env["values_sha256"]  # a changed value shows
+
+
+def test_redact_replaces_env_values_in_nested_text_but_not_short_values():
+    env = {"HF_TOKEN": "hf_abcdefgh12345678", "WANDB_KEY": "hf_abcdefgh12345678xyz", "ONE": "1"}
+    value = {"a": ["token hf_abcdefgh12345678xyz!", 3], "b": "hf_abcdefgh12345678", "gpu_ids": ["1"]}
+    assert redact(value, env) == {"a": ["token <env WANDB_KEY>!", 3], "b": "<env HF_TOKEN>", "gpu_ids": ["1"]}
+    assert redact("nothing here", {}) == "nothing here"

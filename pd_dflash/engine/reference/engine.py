@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from pd_dflash.engine.interface import Engine, EngineContext, Refused
 from pd_dflash.engine.probe import measure_h2d_bytes_per_second
 from pd_dflash.engine.reference.admission import scheduler_for
 from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Request, TargetModel
+from pd_dflash.engine.reference.dflash.published import load_published_drafter, published_decoding
 from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.link import CudaLink, HostLink
 from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts, assemble
@@ -38,6 +40,7 @@ from pd_dflash.engine.reference.options import ReferenceOptions
 from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
 from pd_dflash.engine.reference.presets.catalog import get_preset
 from pd_dflash.engine.reference.presets.drafters import load_drafter
+from pd_dflash.engine.reference.prompts import prompt_facts
 from pd_dflash.engine.reference.route_prefetch import RouteAheadPrefetcher
 from pd_dflash.engine.reference.serving import RoundRecord, run_requests
 from pd_dflash.engine.reference.speculative import BlockDrafterSource, EarlyExitDrafter, SpeculativeDecoding
@@ -105,7 +108,9 @@ class ReferenceEngine(Engine):
         self.probe_bytes_per_second = (
             measure_h2d_bytes_per_second(self.device) if self.device.type == "cuda" else None
         )
-        self._dflash = None  # (BlockDrafter, card): trained/loaded at the first speculative cell
+        # (drafter, card or facts): a preset's trained drafter, or the published models[].draft of a checkpoint;
+        # loaded at the first speculative cell.
+        self._dflash = None
         self.load_seconds = time.perf_counter() - start
 
     # -- interface ---------------------------------------------------------------------------------------------
@@ -147,7 +152,9 @@ class ReferenceEngine(Engine):
         with self._setup(cell, capacity) as setup:
             warm_seconds = self._warm_up(cell, setup)
             rounds, timed_seconds = self._timed(cell, setup)
-            return assemble(self._measurement(setup, rounds, warm_seconds, timed_seconds), self.ctx.slo)
+            result = assemble(self._measurement(setup, rounds, warm_seconds, timed_seconds), self.ctx.slo)
+            result.warnings.extend((setup.drafter_facts or {}).get("warnings", []))
+            return result
 
     def close(self) -> None:
         self.target = None
@@ -217,6 +224,7 @@ class ReferenceEngine(Engine):
         engine["decoding"] = "speculative" if setup.decoding.speculative else "autoregressive"
         engine["drafter"] = setup.drafter_facts
         engine["scheduler"] = setup.scheduler.describe()
+        engine["prompts"] = prompt_facts(self.ctx.workload.prompts, self.loaded.chat, setup.timed)
         timings = {"setup": setup.setup_seconds, "warmup": warm_seconds, "timed": timed_seconds}
         # Only in the cell that trained the drafter, waited on another runner's training, or loaded it.
         if setup.drafter_load_seconds is not None:
@@ -295,12 +303,15 @@ class ReferenceEngine(Engine):
                 self.target, self.options.early_exit_layers, route_ahead=cell.baseline == "OURS"
             )
             return SpeculativeDecoding(drafter, cell.block_size, temperature), drafter.describe()
-        if self.loaded.source != "preset":
-            raise Refused(
-                Status.REFUSED,
-                "engine_options.drafter=dflash needs a trained DFlash drafter, which the reference engine trains "
-                "for its presets only; for a checkpoint use engine_options.drafter: early_exit",
-            )
+        if self.loaded.source != "preset":  # a published DFlash drafter (models[].draft), dflash/published.py
+            if self._dflash is None:
+                self._dflash = load_published_drafter(
+                    self.ctx.model.draft,
+                    self.target.model,
+                    target_where=str(Path(self.loaded.name) / "config.json"),
+                    cache_dir=self.options.cache_dir,
+                )
+            return published_decoding(self._dflash, cell, temperature)
         if self._dflash is None:
             self._dflash = load_drafter(
                 get_preset(self.loaded.name),
@@ -363,9 +374,12 @@ class ReferenceEngine(Engine):
         wl = self.ctx.workload
         if n == 0:
             return []
-        prompts = make_prompts(
-            self.loaded, wl.prompts, n, wl.prompt_tokens, seed=wl.seed + 1_000_003 * stream
-        )
+        try:
+            prompts = make_prompts(
+                self.loaded, wl.prompts, n, wl.prompt_tokens, seed=wl.seed + 1_000_003 * stream
+            )
+        except InputError as exc:  # e.g. an instruct target's tokenizer without a chat template
+            raise Refused(Status.REFUSED, str(exc)) from None
         out = []
         for i, prompt in enumerate(prompts):
             gen = None

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -15,6 +14,14 @@ from pd_dflash.engine.reference.families import MoEFamily, family_of
 from pd_dflash.engine.reference.presets.catalog import PRESETS, get_preset
 from pd_dflash.engine.reference.presets.language import SyntheticLanguage
 from pd_dflash.engine.reference.presets.training import load_preset
+from pd_dflash.engine.reference.prompts import (
+    check_prompt_source,
+    encode_prompts,
+    load_prompt_texts,
+    needs_chat_template,
+    prompt_kind,
+    select,
+)
 from pd_dflash.errors import InputError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -30,6 +37,8 @@ class LoadedModel:
     language: SyntheticLanguage | None = None
     tokenizer: Any = None
     card: dict[str, Any] = field(default_factory=dict)
+    #: An instruct target: its prompts go through the tokenizer's chat template (``prompts.py``).
+    chat: bool = False
 
     @property
     def eos_token_id(self) -> int | None:
@@ -85,49 +94,54 @@ def load_checkpoint(path_or_id: str, *, dtype: str = "auto") -> LoadedModel:
     except (OSError, ValueError, TypeError):
         tokenizer = None  # prompts must then be synthetic token ids
     card = {"checkpoint": str(path_or_id), "model_type": config.model_type}
-    return LoadedModel(model.eval(), family, "checkpoint", str(path_or_id), tokenizer=tokenizer, card=card)
+    chat = needs_chat_template(str(path_or_id), config.model_type)
+    return LoadedModel(
+        model.eval(), family, "checkpoint", str(path_or_id), tokenizer=tokenizer, card=card, chat=chat
+    )
 
 
 def make_prompts(loaded: LoadedModel, source: str, n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
     """``n`` prompts (token ids), deterministic in ``seed``.
 
     "synthetic": sequences of the preset's language (for a checkpoint: ids drawn from a language over the
-    first tokens of its vocabulary — runnable, not meaningful text). A file: one prompt per non-empty line,
-    through the checkpoint's tokenizer (presets: whitespace-separated token ids), cycled to ``n`` prompts.
+    first tokens of its vocabulary — runnable, not meaningful text). Text prompts (``humaneval``, ``file:PATH``,
+    a plain file; ``prompts.py``) go through the checkpoint's tokenizer, its chat template for an instruct
+    target; a preset's plain file holds token ids. Chosen by a seeded permutation, cycled to ``n``.
     """
     if source == "synthetic":
         lang = loaded.language or _fallback_language(loaded.model.config.vocab_size)
         return [row.tolist() for row in lang.sample(n, max(2, prompt_tokens), seed=[seed, 7])]
-    path = Path(source)
-    try:
-        lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    except OSError as exc:
-        raise InputError(
-            f"cannot read prompt file: {exc.strerror or exc}", where="workload.prompts"
-        ) from None
-    if not lines:
-        raise InputError(f"prompt file {source} has no prompt", where="workload.prompts")
     vocab = loaded.model.config.vocab_size
+    if loaded.tokenizer is not None:
+        where = str(Path(loaded.tokenizer.name_or_path) / "tokenizer_config.json")
+        texts = load_prompt_texts(source)
+        prompts = encode_prompts(
+            texts, loaded.tokenizer, chat=loaded.chat, source=source, where=where, vocab_size=vocab
+        )
+    elif prompt_kind(source) == "lines":
+        prompts = _token_id_lines(source, vocab)
+    else:
+        check_prompt_source(source, has_tokenizer=False, model=loaded.name)
+    return select(prompts, n, seed)
+
+
+def _token_id_lines(source: str, vocab: int) -> list[list[int]]:
+    """A plain prompt file for a model without a tokenizer (a preset): whitespace-separated token ids."""
     prompts = []
-    for i, line in enumerate(lines):
-        if loaded.tokenizer is not None:
-            ids = loaded.tokenizer(line, add_special_tokens=True)["input_ids"]
-        else:
-            try:
-                ids = [int(tok) for tok in line.split()]
-            except ValueError:
-                raise InputError(
-                    f"{source}:{i + 1}: this model has no tokenizer, so prompt lines must be token ids",
-                    where="workload.prompts",
-                ) from None
-        if not ids or any(t < 0 or t >= vocab for t in ids):
+    for i, line in enumerate(load_prompt_texts(source)):
+        try:
+            ids = [int(tok) for tok in line.split()]
+        except ValueError:
             raise InputError(
-                f"{source}:{i + 1}: prompt is empty or has ids outside [0, {vocab})", where="workload.prompts"
+                f"{source}:{i + 1}: this model has no tokenizer, so prompt lines must be token ids",
+                where="workload.prompts",
+            ) from None
+        if any(t < 0 or t >= vocab for t in ids):
+            raise InputError(
+                f"{source}:{i + 1}: prompt has ids outside [0, {vocab})", where="workload.prompts"
             )
         prompts.append(ids)
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(prompts))
-    return [prompts[order[i % len(prompts)]] for i in range(n)]
+    return prompts
 
 
 def _fallback_language(vocab_size: int) -> SyntheticLanguage:

@@ -9,6 +9,7 @@ from typing import Any
 
 from pd_dflash.engine.interface import Engine, EngineContext, Refused
 from pd_dflash.engine.moe_infinity.prompts import SYNTHETIC_TEXTS
+from pd_dflash.engine.registry import check
 from pd_dflash.schema import EngineResult
 from pd_dflash.spec import Cell, SweepSpec, expand, parse_spec
 
@@ -61,7 +62,7 @@ def spec_data(tmp_path: Path, tokenizer: Path, **overrides: Any) -> dict[str, An
 
 
 def make_spec(tmp_path: Path, tokenizer: Path, **overrides: Any) -> SweepSpec:
-    return parse_spec(spec_data(tmp_path, tokenizer, **overrides))
+    return check(parse_spec(spec_data(tmp_path, tokenizer, **overrides)))
 
 
 def context(spec: SweepSpec, load_group: str = "shared") -> EngineContext:

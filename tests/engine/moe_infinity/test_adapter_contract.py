@@ -454,7 +454,7 @@ def test_without_moe_infinity_plan_works_and_preflight_says_how_to_fix(tmp_path)
     assert plan.returncode == 0, plan.stderr
     assert "engine moe_infinity" in plan.stdout
     code = (
-        "import json; from pd_dflash.sweep.runner import check_engine_importable; "
+        "import json; from pd_dflash.sweep.preflight import check_engine_importable; "
         "print(json.dumps(check_engine_importable('moe_infinity', {})))"
     )
     check = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

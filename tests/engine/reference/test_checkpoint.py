@@ -10,8 +10,13 @@ from pd_dflash.spec import expand
 from tests.engine.reference.conftest import tiny_model
 from tests.engine.reference.test_engine import make_engine, make_spec
 
+#: A minimal chat template: gpt-oss targets are instruct models, prompted through their tokenizer's template.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+)
 
-def save_tokenizer(path, vocab_size):
+
+def save_tokenizer(path, vocab_size, chat_template=CHAT_TEMPLATE):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -19,7 +24,9 @@ def save_tokenizer(path, vocab_size):
     vocab["[UNK]"] = vocab_size - 1
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(path))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    fast.chat_template = chat_template
+    fast.save_pretrained(str(path))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

@@ -1,0 +1,139 @@
+"""Where a sweep runs, and how it stops.
+
+- **Cluster run**: join ``--address``, ``$RAY_ADDRESS`` or an already connected Ray. Preflight then refuses a
+  cluster without token authentication unless ``--insecure`` (anyone who reaches its ports can run code).
+- **Local mode**: a real single-node Ray cluster with fake GPUs (Ray's own ``local_mode`` no longer exists), bound
+  to the loopback interface: Ray listens on every interface unless it believes it is not a cluster, which
+  ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` tells it (GCS, raylet, workers and agents then bind to 127.0.0.1).
+- **Stops**: SIGINT and SIGTERM raise ``SweepInterrupted`` in the driver, which stops the runners and writes what
+  is stored (exit 130 / 143); a second signal while it does so is ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray._private import ray_constants
+
+from pd_dflash.spec import SweepSpec
+from pd_dflash.sweep import preflight
+from pd_dflash.sweep.driver import SweepDriver
+from pd_dflash.sweep.options import Outcome, RunOptions, SweepInterrupted
+from pd_dflash.sweep.resume import check_resumable, probe_writable
+from pd_dflash.sweep.sink import NAMESPACE
+
+#: Ray's switch for "this is a multi-machine cluster"; off, every Ray process binds to the loopback interface.
+CLUSTER_SWITCH_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def local_cluster_args(spec: SweepSpec) -> dict[str, Any]:
+    """``ray.init`` arguments of local mode: a single-node cluster with fake GPUs and the spec's resources."""
+    hw = spec.hardware
+    gpus = spec.local.fake_gpus
+    resources: dict[str, float] = {}
+    if hw.accelerator_type:
+        resources[f"{preflight.ACCELERATOR_PREFIX}{hw.accelerator_type}"] = 1
+    if hw.custom_resource:
+        resources[hw.custom_resource] = gpus
+    runners = gpus // hw.gpus_per_cell
+    cpus = spec.local.num_cpus or max(1, int(-(-runners * hw.cpus_per_runner // 1)))
+    return {
+        "num_cpus": cpus,
+        "num_gpus": gpus,
+        "resources": resources,
+        "include_dashboard": False,
+        "object_store_memory": spec.local.object_store_mb * 2**20,
+        "namespace": NAMESPACE,
+        "log_to_driver": False,
+    }
+
+
+@contextlib.contextmanager
+def loopback_only() -> Iterator[None]:
+    """While inside, a Ray started by this process (and the processes it starts) binds to 127.0.0.1 only."""
+    saved_env, saved_switch = os.environ.get(CLUSTER_SWITCH_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[CLUSTER_SWITCH_ENV] = "0"  # for the processes Ray starts
+    ray_constants.ENABLE_RAY_CLUSTER = False  # for this one, which imported Ray already
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_switch
+        if saved_env is None:
+            os.environ.pop(CLUSTER_SWITCH_ENV, None)
+        else:
+            os.environ[CLUSTER_SWITCH_ENV] = saved_env
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGINT/SIGTERM raise ``SweepInterrupted`` once; later ones are ignored while the driver cleans up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals are delivered to the main thread only; a driver in a thread is stopped by its caller
+        return
+
+    def ignore(signum: int, _frame: Any) -> None:
+        print(f"pd-dflash run: {signal.Signals(signum).name} again: already stopping", file=sys.stderr)
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        for s in STOP_SIGNALS:
+            signal.signal(s, ignore)
+        raise SweepInterrupted(signum)
+
+    previous = {s: signal.signal(s, interrupt) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def run_sweep(spec: SweepSpec, options: RunOptions, *, address: str | None = None) -> Outcome:
+    """Run a sweep: join ``address`` (or $RAY_ADDRESS, or an already connected Ray), else start local mode."""
+    options.out_dir = os.path.abspath(options.out_dir)
+    address = None if ray.is_initialized() else address or os.environ.get("RAY_ADDRESS")
+    local = not ray.is_initialized() and not address
+    owns_ray = not ray.is_initialized()
+    started = time.monotonic()
+    with loopback_only() if local else contextlib.nullcontext():
+        try:
+            if address:
+                ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+            elif local:
+                # Local mode: this process is the head box, so OUT can be checked before a cluster is started.
+                probe_writable(Path(options.out_dir))
+                check_resumable(Path(options.out_dir), spec, options.mode)
+                # address="local": always start our own cluster, never join one another process left running.
+                ray.init(address="local", **local_cluster_args(spec))
+            with stop_on_signals():  # after ray.init, which installs a SIGTERM handler of its own
+                try:
+                    return SweepDriver(spec, options, local=local).run()
+                except SweepInterrupted as stop:  # outside the driver's loop: nothing (more) to write
+                    return _stopped_early(options, stop, time.monotonic() - started)
+        finally:
+            if owns_ray:
+                ray.shutdown()
+
+
+def _stopped_early(options: RunOptions, stop: SweepInterrupted, wall_s: float) -> Outcome:
+    return Outcome(
+        exit_code=128 + stop.signum,
+        out_dir=options.out_dir,
+        counts={},
+        cells_run=0,
+        unrun=0,
+        loads=0,
+        wall_s=wall_s,
+        out_of_rotation=[],
+        outcome="interrupted",
+        stopped=stop.name,
+    )

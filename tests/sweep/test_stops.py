@@ -1,0 +1,106 @@
+"""Local mode (`pd-dflash run` starts its own single-node Ray cluster) stopped by SIGINT or SIGTERM mid-sweep:
+the runners stop, sweep.json records the stored count and the outcome `interrupted`, the matrices are written
+from the rows stored so far, the exit status is 130 / 143, and nothing prints a stack dump. While it runs, every
+Ray process of the local cluster listens on the loopback interface only."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pd_dflash.rows import read_rows
+from pd_dflash.sweep.resume import current_rows
+from tests.sweep.helpers import (
+    REPO,
+    is_loopback,
+    kill_pids,
+    listening_sockets,
+    processes_using,
+    spec_data,
+    write_spec,
+)
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture
+def ray_tmp():
+    """A short private Ray temp dir (unix socket paths are limited to 107 bytes); everything in it is ours."""
+    path = tempfile.mkdtemp(prefix="pds", dir="/tmp")
+    yield path
+    kill_pids(processes_using(path))
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def stored(out: Path) -> list:
+    path = out / "rows.jsonl"
+    if not path.exists():
+        return []
+    rows, _ = read_rows(path, tolerate_torn_tail=True)
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"]
+)
+def test_a_signal_stops_the_sweep_cleanly_and_records_what_is_stored(tmp_path, ray_tmp, sig, code):
+    data = spec_data(
+        models=[
+            {"id": "m1", "engine_options": {"seconds": 0.5}},
+            {"id": "m2", "engine_options": {"seconds": 0.5}},
+        ],
+        repeats=3,
+    )
+    spec_path = write_spec(tmp_path / "spec.yaml", data)
+    out = tmp_path / "out"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "pd_dflash", "run", str(spec_path), "--out", str(out), "--no-progress"],
+        cwd=REPO,
+        env={**os.environ, "RAY_TMPDIR": ray_tmp},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(stored(out)) < 4 and driver.poll() is None:
+            time.sleep(0.05)
+        assert driver.poll() is None and len(stored(out)) >= 4, "the sweep did not get going in time"
+        ray_pids = processes_using(ray_tmp)
+        sockets = listening_sockets([driver.pid, *ray_pids])
+        assert len(ray_pids) >= 3 and sockets, (ray_pids, sockets)  # GCS, raylet, workers... all seen
+        exposed = [s for s in sockets if not is_loopback(s[0])]
+        assert not exposed, f"Ray listens beyond loopback in local mode: {exposed}"
+        driver.send_signal(sig)
+        stdout, stderr = driver.communicate(timeout=90)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == code, stdout + stderr
+    assert "Traceback" not in stdout + stderr, stdout + stderr
+    assert f"stopped by {sig.name}" in stderr
+    # The runners and the rest of the local cluster are gone with the driver.
+    time.sleep(0.5)
+    assert not [p for p in processes_using(ray_tmp) if Path(f"/proc/{p}").exists()]
+
+    rows = current_rows(stored(out))
+    total = 2 * 3 * 2 * 3
+    assert 4 <= len(rows) < total
+    record = json.loads((out / "sweep.json").read_text())
+    run = record["runs"][-1]
+    assert run["outcome"] == "interrupted" and run["signal"] == sig.name
+    assert record["counts"]["stored"] == len(rows) and record["counts"]["total"] == total
+    assert run["cells_not_run"] == total - run["cells_run"] > 0
+    matrix = json.loads((out / "result_matrix.json").read_text())
+    assert {f"{r.model}|B{r.block_size}|c{r.concurrency}" for r in rows} <= set(matrix)
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["interrupted"] and events[0]["signal"] == sig.name
