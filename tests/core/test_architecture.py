@@ -17,7 +17,6 @@ MAX_FUNCTION_LINES = 80
 ARGUMENT_TABLES = frozenset({"cli.py:build_parser"})
 
 
-
 @dataclass(frozen=True)
 class Module:
     name: str  # dotted, e.g. pd_dflash.report.gates
