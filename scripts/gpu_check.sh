@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The prepared GPU check for a CUDA box (≤ 8 minutes): device probe, the reference engine's CUDA path on a mini
-# preset (offloaded vs resident outputs identical, measured transfers vs probe) and `pytest -m gpu`.
+# The prepared GPU check for a CUDA box (≤ 9.5 minutes): device probe, the reference engine's CUDA path on a mini
+# preset (offloaded vs resident outputs identical, measured transfers vs probe) and `pytest -m gpu` (the link's
+# ordering, timing and memory tests on 64 MiB experts, every configuration on CUDA; their figures in the summary).
 #
 #   scripts/gpu_check.sh [SUMMARY.json]        # default: $OUT/gpu_check.json, else ./gpu_check.json
 #
@@ -23,4 +24,4 @@ export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TRANSFO
 export PD_DFLASH_CACHE="${PD_DFLASH_CACHE:-$PWD/.cache/pd-dflash}"
 
 command -v nvidia-smi >/dev/null && nvidia-smi -L || echo "gpu_check: nvidia-smi not found (no NVIDIA driver?)"
-exec timeout 480 "$py" benchmarks/gpu_check.py --output "$summary" "${@:2}"
+exec timeout 570 "$py" benchmarks/gpu_check.py --output "$summary" "${@:2}"

@@ -46,6 +46,9 @@ class EngineTraits:
     unsupported_reason: dict[str, str] = field(default_factory=dict)
     #: How to get a missing ``requires`` module onto a box (for preflight's message), keyed by module.
     install_hints: dict[str, str] = field(default_factory=dict)
+    #: ``module:function`` (torch-free) giving the host bytes one runner needs for a model (``ModelSpec`` →
+    #: int or None when unknown); the sweep reserves them with Ray's ``memory`` resource.
+    host_memory: str | None = None
     #: A torch-free check of one model entry (fields the engine requires), ``check_model(model, where)``;
     #: raises InputError. Runs at plan time, so it may import only torch-free modules.
     check_model: Callable[[ModelSpec, str], None] | None = None
@@ -79,6 +82,7 @@ BUILTIN: dict[str, EngineTraits] = {
         options_model="pd_dflash.engine.reference.options:ReferenceOptions",
         requires=("torch", "transformers"),
         check_model=_reference_model,
+        host_memory="pd_dflash.engine.reference.host_memory:runner_host_memory_bytes",
     ),
     "moe_infinity": EngineTraits(
         entry_point="pd_dflash.engine.moe_infinity.engine:MoEInfinityEngine",
@@ -183,6 +187,14 @@ def plan_blocked_reason(engine: str) -> Callable[[Cell], str | None] | None:
     if engine not in BUILTIN:
         return None
     return lambda cell: blocked_reason(engine, cell)
+
+
+def host_memory_bytes(engine: str, model: ModelSpec) -> int | None:
+    """Host bytes one runner of a built-in ``engine`` needs for ``model`` (None: unknown, or a custom engine,
+    which is never imported here)."""
+    known = static_traits(engine)
+    path = known.host_memory if known is not None else None
+    return None if path is None else _import(path)(model)
 
 
 def blocked_reason(engine: str, cell: Cell) -> str | None:

@@ -22,6 +22,7 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from pd_dflash.engine import registry
 from pd_dflash.spec import SweepSpec
 from pd_dflash.sweep import preflight
 from pd_dflash.sweep.preflight import Box
@@ -178,7 +179,8 @@ class RunnerPool:
     # -- actions --------------------------------------------------------------------------------------------
     def start(self, slot: Slot, key: LoadKey) -> None:
         """Create a runner pinned to the slot's box and ask it to load ``key``'s model."""
-        options = preflight.runner_options(self.spec.hardware)
+        memory = registry.host_memory_bytes(self.spec.engine, self.spec.model(key[0]))
+        options = preflight.runner_options(self.spec.hardware, memory)
         slot.actor = RunnerActor.options(
             **options,
             scheduling_strategy=NodeAffinitySchedulingStrategy(slot.box.node_id, soft=False),

@@ -64,9 +64,12 @@ def accelerator_types(resources: dict[str, float]) -> list[str]:
     return sorted(k[len(ACCELERATOR_PREFIX) :] for k in resources if k.startswith(ACCELERATOR_PREFIX))
 
 
-def runner_options(hardware: Hardware) -> dict[str, Any]:
-    """The Ray resource request of one runner (and of the preflight engine check, which stands in for it)."""
+def runner_options(hardware: Hardware, memory_bytes: int | None = None) -> dict[str, Any]:
+    """The Ray resource request of one runner (and of the preflight engine check, which stands in for it);
+    ``memory_bytes``: the host memory the engine says the runner needs (``registry.host_memory_bytes``)."""
     options: dict[str, Any] = {"num_gpus": hardware.gpus_per_cell, "num_cpus": hardware.cpus_per_runner}
+    if memory_bytes:
+        options["memory"] = memory_bytes
     if hardware.accelerator_type:
         options["accelerator_type"] = hardware.accelerator_type
     if hardware.custom_resource:
@@ -83,9 +86,15 @@ def describe_request(hardware: Hardware) -> str:
     return ", ".join(parts)
 
 
-def box_capacity(resources: dict[str, float], hardware: Hardware) -> tuple[int, list[str]]:
+def box_capacity(
+    resources: dict[str, float], hardware: Hardware, memory_bytes: int | None = None
+) -> tuple[int, list[str]]:
     """How many runners fit on a node with these total resources, and what it lacks when none does."""
     lacks = []
+    if memory_bytes:
+        limits_memory = math.floor(resources.get("memory", 0.0) / memory_bytes + 1e-9)
+        if limits_memory < 1:
+            lacks.append(f"memory {resources.get('memory', 0.0):.3g} B < {memory_bytes:.3g} B per runner")
     limits = [math.floor(resources.get("GPU", 0.0) / hardware.gpus_per_cell + 1e-9)]
     if limits[0] < 1:
         lacks.append(f"GPU {resources.get('GPU', 0.0):g} < {hardware.gpus_per_cell} per runner")
@@ -103,19 +112,28 @@ def box_capacity(resources: dict[str, float], hardware: Hardware) -> tuple[int, 
         limits.append(math.floor(resources.get(hardware.custom_resource, 0.0) + 1e-9))
         if limits[-1] < 1:
             lacks.append(f"no custom resource {hardware.custom_resource}")
+    if memory_bytes:
+        limits.append(limits_memory)
     return max(0, min(limits)), lacks
+
+
+def runner_memory_bytes(spec: SweepSpec) -> int | None:
+    """The largest host memory a runner of this sweep needs (the engine's figure over its models), if known."""
+    figures = [registry.host_memory_bytes(spec.engine, m) for m in spec.models]
+    return max((f for f in figures if f), default=None)
 
 
 def survey(spec: SweepSpec, nodes: list[dict[str, Any]]) -> list[Box]:
     """The alive nodes as boxes with their runner capacity (labels are IPs, made unique with the node id)."""
     alive = [n for n in nodes if n.get("Alive")]
+    memory = runner_memory_bytes(spec)
     ips = [n["NodeManagerAddress"] for n in alive]
     boxes = []
     for node in alive:
         ip = node["NodeManagerAddress"]
         label = ip if ips.count(ip) == 1 else f"{ip}#{node['NodeID'][:6]}"
         resources = dict(node.get("Resources", {}))
-        capacity, lacks = box_capacity(resources, spec.hardware)
+        capacity, lacks = box_capacity(resources, spec.hardware, memory)
         boxes.append(
             Box(
                 node_id=node["NodeID"],

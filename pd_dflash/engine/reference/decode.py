@@ -94,6 +94,17 @@ class TargetModel:
     def __init__(self, model: nn.Module, family: MoEFamily, device: torch.device) -> None:
         self.model, self.family, self.device = model, family, device
         self.num_layers = model.config.num_hidden_layers
+        #: How the host waits for compute (set per cell to the offload runtime's, which keeps the link's
+        #: prefetch queue moving meanwhile); None: the compute stream alone.
+        self.sync_hook = None
+
+    def synchronize(self) -> None:
+        """Block the host until the compute stream has finished: never the whole device, so prefetches on the
+        link's copy streams keep running (e.g. cross-round prefetches overlap the next draft)."""
+        if self.sync_hook is not None:
+            self.sync_hook()
+        elif self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def new_cache(self):
         from transformers.cache_utils import DynamicCache
@@ -177,8 +188,7 @@ class TargetModel:
         for b, (s, e) in zip(blocks, rows.spans, strict=True):
             b.request.cached += len(b.tokens)
             logits.append(self.model.lm_head(h[0, s + b.logits_from : e]))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.synchronize()
         return logits, captured, gate_inputs
 
     @torch.no_grad()

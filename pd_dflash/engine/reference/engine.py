@@ -29,10 +29,20 @@ from pd_dflash.engine import nvml
 from pd_dflash.engine.interface import Engine, EngineContext, Refused
 from pd_dflash.engine.probe import measure_h2d_bytes_per_second
 from pd_dflash.engine.reference.admission import scheduler_for
+from pd_dflash.engine.reference.capacity import expert_cache_capacity
+from pd_dflash.engine.reference.cuda_link import CudaLink
 from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Request, TargetModel
 from pd_dflash.engine.reference.dflash.published import load_published_drafter, published_decoding
 from pd_dflash.engine.reference.expert_cache import ExpertCache
-from pd_dflash.engine.reference.link import CudaLink, HostLink
+from pd_dflash.engine.reference.expert_store import HostExpertStore
+from pd_dflash.engine.reference.link import HostLink
+from pd_dflash.engine.reference.memory import (
+    device_available_bytes,
+    host_available_bytes,
+    module_bytes,
+    require,
+    require_cell_device_memory,
+)
 from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts, assemble
 from pd_dflash.engine.reference.models import load_model, make_prompts
 from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
@@ -93,10 +103,14 @@ class ReferenceEngine(Engine):
             self.storage_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
                 self.compute_dtype
             ]
-        self.store = install_offload(
-            model, self.loaded.family, self.storage_dtype, pin=self.device.type == "cuda"
-        )
-        model.to(self.device)  # everything but the routed experts, which now live in the host store
+        #: A load that does not fit (the host store, the device weights): every cell is refused with its figures.
+        self.load_refusal: Refused | None = None
+        self.store: HostExpertStore | None = None
+        try:
+            self.store = self._offload(model)
+            model.to(self.device)  # everything but the routed experts, which now live in the host store
+        except Refused as refusal:
+            self.load_refusal = refusal
         self.target = TargetModel(model, self.loaded.family, self.device)
         self.top_k = int(model.config.num_experts_per_tok)
         if self.options.drafter == "early_exit" and self.options.early_exit_layers >= self.target.num_layers:
@@ -106,12 +120,35 @@ class ReferenceEngine(Engine):
                 where="models[].engine_options.early_exit_layers",
             )
         self.probe_bytes_per_second = (
-            measure_h2d_bytes_per_second(self.device) if self.device.type == "cuda" else None
+            measure_h2d_bytes_per_second(self.device)
+            if self.device.type == "cuda" and self.load_refusal is None
+            else None
         )
         # (drafter, card or facts): a preset's trained drafter, or the published models[].draft of a checkpoint;
         # loaded at the first speculative cell.
         self._dflash = None
         self.load_seconds = time.perf_counter() - start
+
+    def _offload(self, model) -> HostExpertStore:
+        """The host store (its memory checked first), then the device check of the non-expert weights."""
+        store = install_offload(
+            model,
+            self.loaded.family,
+            self.storage_dtype,
+            pin=self.device.type == "cuda",
+            host_available_bytes=self.host_available_bytes(),
+        )
+        fix = "a GPU with more free memory (another process may hold some)"
+        require("the non-expert weights", module_bytes(model), self.device_available_bytes(), fix, "device")
+        return store
+
+    def host_available_bytes(self) -> int | None:
+        """Host memory available now (``memory.py``); a subclass may inject a figure."""
+        return host_available_bytes()
+
+    def device_available_bytes(self) -> int | None:
+        """Device memory torch can still allocate (None on the CPU); a subclass may inject a figure."""
+        return device_available_bytes(self.device)
 
     # -- interface ---------------------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -125,16 +162,18 @@ class ReferenceEngine(Engine):
             "device": str(self.device),
             "dtype": str(self.compute_dtype).replace("torch.", ""),
             "storage_dtype": self.storage_dtype,
-            "experts_per_layer": self.store.num_experts,
             "top_k": self.top_k,
-            "moe_layers": len(self.store.layer_ids),
-            "expert_nbytes": self.store.expert_nbytes,
-            "total_expert_bytes": self.store.total_bytes,
             "eviction": self.options.eviction,
             "prefetcher": self.options.prefetcher,
             "load_seconds": self.load_seconds,
             "threads": torch.get_num_threads(),
         }
+        if (st := self.store) is not None:
+            facts.update(experts_per_layer=st.num_experts, moe_layers=len(st.layer_ids))
+            facts.update(expert_nbytes=st.expert_nbytes, total_expert_bytes=st.total_bytes)
+            facts["host_arena_bytes"] = st.arena.nbytes
+        if self.load_refusal is not None:
+            facts["load_refused"] = self.load_refusal.reason
         if self.loaded.source == "preset":
             facts["model_card"] = {
                 k: card.get(k) for k in ("code_version", "seed", "train", "loss", "routing", "cache_hit")
@@ -148,6 +187,8 @@ class ReferenceEngine(Engine):
     def run_cell(self, cell: Cell) -> EngineResult:
         """Setup (a configuration the engine must not run raises ``Refused`` here) → warm-up → the timed
         requests → the row."""
+        if self.load_refusal is not None:
+            raise self.load_refusal
         capacity = self.cache_capacity(cell)
         with self._setup(cell, capacity) as setup:
             warm_seconds = self._warm_up(cell, setup)
@@ -172,6 +213,15 @@ class ReferenceEngine(Engine):
         wl = self.ctx.workload
         warm = self._requests(cell, wl.warmup_rounds, max_new=cell.block_size, stream=1, tag="warmup")
         timed = self._requests(cell, wl.requests, max_new=cell.max_new_tokens, stream=0, tag="r")
+        require_cell_device_memory(
+            cell,
+            self.store,
+            capacity,
+            self.target.model.config,
+            self.compute_dtype,
+            tokens=max(len(r.prompt) + r.max_new_tokens for r in warm + timed) + cell.block_size,
+            available=self.device_available_bytes(),
+        )
         decoding, drafter_facts, drafter_load = self._load_decoding(cell)
         runtime, link = self._runtime(cell, capacity)
         try:
@@ -190,6 +240,7 @@ class ReferenceEngine(Engine):
                 setup_seconds=time.perf_counter() - start,
             )
         finally:
+            self.target.sync_hook = None
             runtime.close()
 
     def _warm_up(self, cell: Cell, setup: _CellSetup) -> float:
@@ -243,47 +294,7 @@ class ReferenceEngine(Engine):
 
     # -- cell pieces ---------------------------------------------------------------------------------------------
     def cache_capacity(self, cell: Cell) -> int:
-        """The cell's expert-cache capacity in bytes. B3 holds every expert; an offloaded baseline must really
-        offload (as upstream), so a capacity that holds every expert, or less than one, is ``Refused``."""
-        total = self.store.total_bytes
-        if not cell.offloaded:
-            return total
-        opts, frac = self.options, self.ctx.memory.expert_cache_fraction
-        if opts.expert_cache_bytes is not None:
-            capacity, given = (
-                opts.expert_cache_bytes,
-                f"engine_options.expert_cache_bytes={opts.expert_cache_bytes}",
-            )
-        elif frac is not None:
-            capacity, given = int(frac * total), f"memory.expert_cache_fraction={frac}"
-        else:
-            raise Refused(
-                Status.REFUSED,
-                f"{cell.baseline} must be offloaded, but no expert-cache capacity is set, so the cache would hold "
-                f"every expert ({total} B). Fix: set memory.expert_cache_fraction below 1 (e.g. 0.25) or "
-                "models[].engine_options.expert_cache_bytes",
-            )
-        slots, entries = capacity // self.store.expert_nbytes, self.store.num_entries
-        if slots >= entries:
-            raise Refused(
-                Status.REFUSED,
-                f"{cell.baseline} must be offloaded, but {given} gives a cache of {capacity} B that holds all "
-                f"{entries} experts ({total} B): nothing would be offloaded. Fix: lower it so the cache holds fewer "
-                f"than {entries} experts (< {total} B)",
-            )
-        if slots < 1:
-            raise Refused(
-                Status.REFUSED,
-                f"{given} gives a cache of {capacity} B, smaller than one expert ({self.store.expert_nbytes} B). "
-                "Fix: raise it to at least one expert",
-            )
-        if cell.baseline == "OURS" and slots < 2:
-            raise Refused(
-                Status.REFUSED,
-                f"{given} gives a cache of one expert slot: route-ahead pins prefetched experts until their layer "
-                "runs and needs at least 2 slots. Fix: raise the capacity",
-            )
-        return capacity
+        return expert_cache_capacity(cell, self.store, self.options, self.ctx.memory)
 
     def _load_decoding(self, cell: Cell):
         """``_decoding``, and the seconds it took when this cell trained or loaded the DFlash drafter."""
@@ -368,6 +379,7 @@ class ReferenceEngine(Engine):
             )
         runtime = OffloadRuntime(self.store, cache, prefetcher)
         runtime.attach(self.target.model)
+        self.target.sync_hook = runtime.synchronize
         return runtime, facts
 
     def _requests(self, cell: Cell, n: int, *, max_new: int, stream: int, tag: str) -> list[Request]:

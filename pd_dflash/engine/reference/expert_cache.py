@@ -9,7 +9,8 @@ is in flight. Every access is classified at the moment compute asks for the expe
 - miss: not in the cache, fetched on demand;
 - resident at round start: it was in the cache before the current round began (the hide inequality's r).
 
-Exposed fetch seconds are the time compute waited for a transfer (on-demand or in-flight prefetch).
+Exposed fetch seconds are the time compute waited for a transfer (on-demand or in-flight prefetch). Link time
+is the union of the transfers' spans on the host clock (``link.py``: one basis on both devices).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pd_dflash.engine.reference.expert_store import HostExpertStore
+from pd_dflash.engine.reference.spans import SpanUnion
 
 Key = tuple[int, int]  # (layer, expert)
 POLICIES = ("lru", "lfu")
@@ -47,7 +49,8 @@ class CacheCounters:
     #: prefetch and waited for one (a cache too small for what is in flight).
     slot_waits: int = 0
     slot_wait_seconds: float = 0.0
-    #: Completed transfers: bytes and link seconds (Σ per-transfer durations).
+    #: Completed transfers: bytes, and link seconds = the union of their spans (time the link was copying; two
+    #: streams copying at once count once).
     h2d_bytes: int = 0
     h2d_seconds: float = 0.0
     h2d_transfers: int = 0
@@ -102,10 +105,11 @@ class ExpertCache:
         self.inflight: list[_Entry] = []
         self.round = 0
         self._tick = 0
-        #: Wall-clock intervals of the link's completed transfers ``(start, end, nbytes, demand)`` and of compute
-        #: waiting for a transfer ``(start, end)``, when the link keeps a host timeline (CPU); BM4 from them.
+        #: Host-clock intervals of the link's completed transfers ``(start, end, nbytes, demand)`` and of compute
+        #: waiting for a transfer ``(start, end)``, on both devices; BM4 and the link time from them.
         self.transfer_log: list[tuple[float, float, int, bool]] = []
         self.stall_log: list[tuple[float, float]] = []
+        self._link_busy = SpanUnion()
         if self.link is None:
             self._load_all()
 
@@ -202,7 +206,7 @@ class ExpertCache:
             elif t is not None:
                 still.append(entry)
         self.inflight = still
-        self.counters.exposed_seconds += self.link.harvest_exposed()
+        self.counters.exposed_seconds += self.link.harvest_exposed(self.stall_log)
 
     def drain(self) -> None:
         """Wait for every transfer in flight, then collect (a clean boundary between warm-up and timing)."""
@@ -214,7 +218,7 @@ class ExpertCache:
     def reset_counters(self) -> None:
         self.drain()
         self.counters = CacheCounters(peak_occupancy_bytes=self.occupancy_bytes)
-        self.transfer_log, self.stall_log = [], []
+        self.transfer_log, self.stall_log, self._link_busy = [], [], SpanUnion()
 
     def close(self) -> None:
         if self.link is not None:
@@ -254,11 +258,12 @@ class ExpertCache:
 
     def _harvest(self, entry: _Entry) -> None:
         t = entry.transfer
+        start, end = self.link.span(t)
+        self._link_busy.add(start, end)
         self.counters.h2d_bytes += t.nbytes
-        self.counters.h2d_seconds += self.link.seconds(t)
+        self.counters.h2d_seconds = self._link_busy.total
         self.counters.h2d_transfers += 1
-        if isinstance(t.start, float) and isinstance(t.end, float):
-            self.transfer_log.append((t.start, t.end, t.nbytes, t.demand))
+        self.transfer_log.append((start, end, t.nbytes, t.demand))
         entry.transfer = None
 
     def _wait(self, wait, transfer) -> float:

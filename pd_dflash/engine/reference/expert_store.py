@@ -3,11 +3,29 @@
 Bytes are counted from what is stored — Σ numel × element_size of an expert's payload, scales included —
 never from a nominal figure. fp8 storage is e4m3 with one fp32 scale per expert and weight matrix
 (amax / 448), dequantized on use; 1-D tensors (gpt-oss biases) stay in bf16 under fp8.
+
+**The arena** (``HostArena``) is the one place the host store gets its memory, pinned or not. Its API, for any
+loader (``HostExpertStore`` below; a streaming checkpoint loader the same way):
+
+1. ``HostArena.size_of([(shape, dtype), ...])``: the exact bytes of the tensors to place (each aligned to
+   ``ALIGN``), so the arena is allocated ONCE from the total, before anything is loaded;
+2. ``check_host_memory(...)`` (``memory.require``) against what is available: ``Refused`` with the figures;
+3. ``arena = HostArena(total)``, then ``arena.take(shape, dtype)`` per tensor, in order: a view to fill
+   (``view.copy_(tensor)``, or read into it), so the source can be dropped tensor by tensor;
+4. ``arena.pin()`` once filled (CUDA): the pages already written are page-locked in place
+   (``cudaHostRegister``): no second copy and no rounding. torch's pinned allocator rounds every allocation up
+   to a power of two (54 GiB of bf16 experts pinned tensor by tensor take 72 GiB, as one block 64 GiB);
+   unpinned again when the arena is freed.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
+
 import torch
+
+from pd_dflash.engine.reference.memory import require
 
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -18,18 +36,79 @@ STORAGE_DTYPES: dict[str, torch.dtype] = {
 FP8_E4M3_MAX = 448.0
 
 
+#: Page size the arena starts on (``cudaHostRegister`` works on whole pages).
+PAGE = 4096
+
+
+class HostArena:
+    """One host allocation handed out as views, in order; pinned in place once filled (see the module doc)."""
+
+    ALIGN = 256
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.used, self.pinned = int(nbytes), 0, False
+        self._base = torch.empty(self.nbytes + PAGE, dtype=torch.uint8)  # untouched pages are not committed
+        start = -self._base.data_ptr() % PAGE
+        self.buffer = self._base[start : start + self.nbytes]
+
+    @classmethod
+    def size_of(cls, specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:
+        return sum(cls._aligned(_numel(shape) * _element_size(dt)) for shape, dt in specs)
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """The next ``shape``/``dtype`` view of the arena (uninitialised: the caller fills it)."""
+        n = _numel(shape) * _element_size(dtype)
+        start, self.used = self.used, self.used + self._aligned(n)
+        if self.used > self.nbytes:
+            raise ValueError(f"the arena of {self.nbytes} B is full ({start} B used, {n} B more asked)")
+        return self.buffer[start : start + n].view(dtype).view(tuple(shape))
+
+    def pin(self) -> None:
+        """Page-lock the arena in place for non-blocking host→device copies (CUDA only)."""
+        if self.pinned or self.nbytes == 0:
+            return
+        ptr = self.buffer.data_ptr()
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0))
+        if err != 0:
+            raise RuntimeError(
+                f"pinning the {self.nbytes} B expert arena failed (cudaHostRegister error {err})"
+            )
+        self.pinned = True
+        weakref.finalize(self, _unpin, ptr, self._base)  # before the memory is freed
+
+    @classmethod
+    def _aligned(cls, n: int) -> int:
+        return -(-n // cls.ALIGN) * cls.ALIGN
+
+
+def _unpin(ptr: int, base: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+    del base
+
+
 class HostExpertStore:
     """Per MoE layer and tensor, one ``[E, ...]`` host tensor; expert ``e``'s payload is the contiguous slice
-    ``[e]`` of each (plus its fp8 scales). ``layers`` ({layer: tensors}) is consumed."""
+    ``[e]`` of each (plus its fp8 scales), all in one ``HostArena``. ``layers`` ({layer: tensors}) is consumed,
+    layer by layer. ``host_available_bytes``: the host memory available now (None: unknown, not checked)."""
 
     def __init__(
-        self, layers: dict[int, list[torch.Tensor]], storage: str = "fp32", pin: bool = False
+        self,
+        layers: dict[int, list[torch.Tensor]],
+        storage: str = "fp32",
+        pin: bool = False,
+        *,
+        host_available_bytes: int | None = None,
     ) -> None:
         if storage not in STORAGE_DTYPES:
             raise ValueError(f"storage dtype must be one of {', '.join(STORAGE_DTYPES)}, got {storage!r}")
         if not layers:
             raise ValueError("the model has no MoE layer to offload")
         self.storage = storage
+        plan = {layer: [_stored_specs(t, storage) for t in layers[layer]] for layer in sorted(layers)}
+        check_host_memory(layers, plan, host_available_bytes, pinned=pin)
+        self.arena = HostArena(
+            HostArena.size_of([spec for specs in plan.values() for pair in specs for spec in pair if spec])
+        )
         self.parts: dict[int, list[torch.Tensor]] = {}
         self.scales: dict[int, list[torch.Tensor | None]] = {}
         for layer in sorted(layers):
@@ -37,9 +116,12 @@ class HostExpertStore:
             parts, scales = [], []
             for t in tensors:
                 q, s = _quantize(t.detach(), storage)
-                parts.append(q.pin_memory() if pin else q)
-                scales.append(None if s is None else (s.pin_memory() if pin else s))
+                parts.append(self._place(q))
+                scales.append(None if s is None else self._place(s))
             self.parts[layer], self.scales[layer] = parts, scales
+            del tensors
+        if pin:
+            self.arena.pin()
         self.layer_ids: tuple[int, ...] = tuple(sorted(self.parts))
         first = self.parts[self.layer_ids[0]]
         self.num_experts = int(first[0].shape[0])
@@ -53,9 +135,12 @@ class HostExpertStore:
                 raise ValueError(
                     f"MoE layer {layer} has differently shaped experts; one slot size is required"
                 )
-        self.expert_nbytes: int = sum(
-            _numel(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in self.spec
-        )
+        self.expert_nbytes: int = sum(_numel(shape) * _element_size(dt) for shape, dt in self.spec)
+
+    def _place(self, t: torch.Tensor) -> torch.Tensor:
+        view = self.arena.take(t.shape, t.dtype)
+        view.copy_(t)
+        return view
 
     @property
     def total_bytes(self) -> int:
@@ -89,11 +174,49 @@ class HostExpertStore:
         return out
 
 
-def _numel(shape: tuple[int, ...]) -> int:
+def check_host_memory(
+    layers: dict[int, list[torch.Tensor]],
+    plan: dict[int, list[tuple]],
+    available: int | None,
+    *,
+    pinned: bool,
+) -> None:
+    """Refuse a store that does not fit: the arena fills layer by layer while each layer's source tensors are
+    released, so the host needs, at the peak, the largest running excess of arena bytes over released source
+    bytes (one layer when storage and source dtypes match) plus the largest quantization temporary."""
+    arena = released = peak = temporary = 0
+    for layer in sorted(plan):
+        layer_bytes = HostArena.size_of([spec for pair in plan[layer] for spec in pair if spec])
+        arena += layer_bytes
+        peak = max(peak, arena - released)
+        released += sum(t.numel() * t.element_size() for t in layers[layer])
+        temporary = max(temporary, max(_numel(p[0]) * _element_size(p[1]) for p, _ in plan[layer]))
+    what = f"the host expert store ({arena:,} B of experts in one arena{', pinned' if pinned else ''})"
+    fix = (
+        "a box with more free host memory, fewer runners per box, or a smaller storage_dtype "
+        "(models[].engine_options.storage_dtype: bf16 or fp8)"
+    )
+    require(what, peak + temporary, available, fix, "host")
+
+
+def _numel(shape: Sequence[int]) -> int:
     n = 1
     for d in shape:
         n *= int(d)
     return n
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _stored_specs(t: torch.Tensor, storage: str) -> tuple[tuple, tuple | None]:
+    """``((shape, dtype) stored, (shape, dtype) of its scale or None)``, as ``_quantize`` will store ``t``."""
+    if storage != "fp8":
+        return (tuple(t.shape), STORAGE_DTYPES[storage]), None
+    if t.dim() < 3:
+        return (tuple(t.shape), torch.bfloat16), None
+    return (tuple(t.shape), torch.float8_e4m3fn), ((t.shape[0],), torch.float32)
 
 
 def _quantize(t: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Tensor | None]:

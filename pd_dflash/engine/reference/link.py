@@ -1,72 +1,145 @@
-"""The host→device link that moves experts into cache slots.
+"""The host→device link that moves experts into cache slots: one interface, one policy, two devices.
 
-- ``CudaLink``: real transfers. Non-blocking copies from pinned host memory on dedicated copy streams (a
-  high-priority one for on-demand fetches, one for prefetches), timed with CUDA events. Compute waits only for
-  the experts it needs (``wait_event`` on the compute stream); the stall is measured by an event pair around
-  that wait, so exposed fetch time is GPU time the compute stream spent blocked.
-- ``HostLink``: the CPU engine's link: a real copy into the slot and, with emulation (``gbps``,
-  ``latency_us``), a link that serves transfers one at a time (on-demand before queued prefetches), each taking
-  bytes/BW + latency of wall time, so a prefetch really overlaps compute and an on-demand fetch really exposes
-  its wait (compute sleeps: no CPU). The link's timeline is simulated, not driven by a helper thread: a thread
-  that must win the GIL and the OS scheduler to signal a completion delivered 1 GB/s as 0.03 GB/s here.
+**The policy** (``CudaLink`` in ``cuda_link.py`` does it with CUDA streams and events; the CPU ``HostLink``
+here emulates the same):
+
+- Two streams share the link. A *demand* transfer (compute needs the expert now) goes on the demand stream at
+  once, behind earlier demand transfers only. A *prefetch* waits in a host queue (FIFO); at most ``window``
+  (default 2) prefetches are on the prefetch stream at a time, and the next is issued when one lands.
+- A prefetch issued after a demand transfer starts only once every demand transfer submitted before it has
+  landed (CUDA: the prefetch stream waits for the event recorded after the last demand copy). So a layer's
+  demand copies share the link only with the ≤ ``window`` prefetches already on the stream, never with the
+  backlog: CUDA stream priorities do not order copies, so the backlog stays on the host instead.
+- While both streams copy, each gets half the bandwidth (CUDA: two copy streams on one PCIe direction; the
+  emulated link: processor sharing).
+- ``promote(t)``: compute now needs a prefetch. If it is still in the host queue it is re-issued on the demand
+  stream (behind earlier demand transfers, ahead of every prefetch); one already on the prefetch stream keeps
+  its place (at most ``window`` transfers are ahead of it there).
+- A copy into a slot starts only after the compute that last read the slot has finished (``record_use``).
+- Every span is on the host's ``perf_counter`` clock: CPU transfers run on the emulated timeline; CUDA events
+  are placed on it through a reference event recorded at each compute synchronization (the compute stream is
+  idle then), so transfer spans, stalls and the rounds' compute windows are compared on one clock.
+
+**The interface** (both links; ``ExpertCache`` is the only caller besides the runtime's ``synchronize``):
+
+- ``submit(dst, src, nbytes, demand, after=slot) -> Transfer``: copy ``src`` into ``dst`` (slot ``after``).
+- ``promote(t)``: as above. ``wait(t)`` promotes a queued ``t`` itself.
+- ``done(t) -> bool``: ``t`` has landed. Remembered on the transfer after the first True (no repeated event
+  queries, e.g. by LFU's scan). A transfer still in the host queue is not done.
+- ``wait(t) -> float``: compute needs ``t``. CPU: blocks until it lands and returns the seconds waited. CUDA:
+  the compute stream waits for it (the host does not) and 0.0 is returned; the stall is measured on the GPU and
+  returned later by ``harvest_exposed``.
+- ``host_wait(t) -> float``: the host blocks until ``t`` has landed (a slot it must reuse); returns seconds.
+- ``synchronize(event=None)``: the host blocks until compute has finished (or ``event``), never the whole
+  device; prefetches keep flowing from the host queue meanwhile; takes a new time reference.
+- ``span(t) -> (start, end)`` and ``seconds(t)``: a landed transfer's link interval on the host clock.
+- ``record_use(slot)``: compute reading ``slot`` has been enqueued.
+- ``harvest_exposed(spans=None) -> float``: compute stalls measured since the last call and complete now
+  (seconds; their intervals are appended to ``spans``). The CPU link returns 0.0 (``wait`` returned them).
+- ``pending() -> dict``: transfers queued on the host, on the prefetch stream, on the demand stream.
+- ``close()``: wait for the link's own streams and drop the queue.
+
+Without emulation (``HostLink(None)``, kind "host") a transfer is a host memcpy done at submit, no policy.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
+from collections import deque
 
 import torch
 
 from pd_dflash.engine.nvtx_ranges import nvtx_range
+
+#: Prefetches on the prefetch stream at once: enough to keep the link busy while the host reacts to a
+#: completion, few enough that a demand copy shares the link with little.
+PREFETCH_WINDOW = 2
 
 
 class Transfer:
     """One expert's host→device copy."""
 
     __slots__ = (
+        "complete",
         "demand",
         "dst",
         "end",
         "end_event",
+        "gate",
+        "issued",
         "nbytes",
-        "priority",
-        "scheduled",
+        "promoted",
+        "ref",
         "seq",
+        "slot",
         "src",
         "start",
         "start_event",
         "submitted",
+        "work",
     )
 
-    def __init__(self, nbytes: int, demand: bool, dst=None, src=None, seq: int = 0) -> None:
-        self.nbytes, self.demand, self.dst, self.src, self.seq = nbytes, demand, dst, src, seq
-        self.priority = 0 if demand else 1
-        self.submitted = time.perf_counter()
+    def __init__(self, nbytes: int, demand: bool, dst, src, seq: int, slot: int | None, submitted: float):
+        self.nbytes, self.demand, self.dst, self.src, self.seq, self.slot = (
+            nbytes,
+            demand,
+            dst,
+            src,
+            seq,
+            slot,
+        )
+        self.submitted = submitted
+        #: Left the host queue (on a stream); re-issued on the demand stream by ``promote``.
+        self.issued = self.promoted = False
+        #: Landed, remembered after the first positive query.
+        self.complete = False
         self.start: float | None = None
         self.end: float | None = None
-        self.scheduled = False
-        self.start_event = self.end_event = None  # CUDA events
+        self.work = 0.0  # emulated: link seconds still to serve
+        self.gate: Transfer | None = None  # emulated: the demand transfer this prefetch waits for
+        self.start_event = self.end_event = self.ref = None  # CUDA
+
+
+def _copy(t: Transfer) -> None:
+    with nvtx_range("expert_h2d"):
+        for d, s in zip(t.dst, t.src, strict=True):
+            d.copy_(s)
+    t.dst = t.src = None
 
 
 class HostLink:
-    """The CPU engine's link: a real copy into the slot, optionally paced as an emulated link.
+    """The CPU engine's link: a real copy into the slot, paced as an emulated link when ``gbps`` is set.
 
-    Emulated (``gbps`` set): one transfer at a time, on-demand before queued prefetches, each occupying the
-    link for ``nbytes / BW + latency`` of wall time. The link keeps its own timeline (a single-server priority
-    queue simulated lazily whenever compute looks at it), so nothing depends on when a helper thread gets the
-    GIL or the OS scheduler: a prefetch issued early is really done by the time compute needs it, and
-    compute that needs an expert still on the link really sleeps until its completion time (no CPU spent).
-    A transfer's copy is performed when the link starts it. Not emulated (kind "host"): the copy happens at once
-    (a host memcpy, not a host-to-device transfer) and its measured duration is the transfer time.
+    Emulated: the policy above, each transfer needing ``nbytes / BW + latency`` seconds of link time, shared
+    equally while both streams copy. The timeline is simulated lazily whenever the link is called (no helper
+    thread: one that had to win the GIL and the OS scheduler to signal completions delivered 1 GB/s as 0.03 GB/s
+    on a 2-core VM). A prefetch leaves the host queue at the exact moment the window frees (CUDA: at the next
+    link call or while the host waits through the link). A transfer's copy is made when the link starts it;
+    compute that needs a transfer still on the link sleeps until its completion (no CPU spent). ``clock`` and
+    ``sleep`` are the host's (a test may pass a simulated pair).
     """
 
-    def __init__(self, gbps: float | None = None, latency_us: float = 0.0) -> None:
-        self.gbps, self.latency_us = gbps, float(latency_us)
+    def __init__(
+        self,
+        gbps: float | None = None,
+        latency_us: float = 0.0,
+        window: int = PREFETCH_WINDOW,
+        *,
+        clock=time.perf_counter,
+        sleep=time.sleep,
+    ) -> None:
+        if window < 1:
+            raise ValueError(f"the prefetch window must be at least 1 transfer, got {window}")
+        self.gbps, self.latency_us, self.window = gbps, float(latency_us), window
         #: "host": not a device link at all, a host-to-host memcpy (rows must not claim a real H2D link).
         self.kind = "emulated" if gbps else "host"
-        self._pending: list[Transfer] = []
-        self._free_at = 0.0
+        self._clock, self._sleep = clock, sleep
+        self._queue: deque[Transfer] = deque()  # host queue (prefetches not yet on a stream)
+        self._stream: deque[Transfer] = deque()  # the prefetch stream (≤ window)
+        self._demand: deque[Transfer] = deque()  # the demand stream
+        self._now = clock()  # the simulated timeline is known up to here
         self._seq = itertools.count()
 
     def describe(self) -> dict:
@@ -75,145 +148,124 @@ class HostLink:
                 "link": "emulated",
                 "emulated_h2d_gbps": self.gbps,
                 "emulated_latency_us": self.latency_us,
+                "prefetch_window": self.window,
             }
         return {"link": "host memcpy (CPU, not emulated)"}
 
     def submit(self, dst: list[torch.Tensor], src: list[torch.Tensor], nbytes: int, demand: bool, after=None):
-        t = Transfer(nbytes, demand, dst, src, next(self._seq))
+        now = self._clock()
+        t = Transfer(nbytes, demand, dst, src, next(self._seq), after, now)
         if not self.gbps:
-            self._run(t, time.perf_counter())
-            t.end = time.perf_counter()
+            t.start = now
+            _copy(t)
+            t.end, t.issued, t.complete = self._clock(), True, True
             return t
-        self._pending.append(t)
-        self._advance(t.submitted)
+        self._advance(now)
+        t.work = nbytes / (self.gbps * 1e9) + self.latency_us * 1e-6
+        if demand:
+            t.issued = True
+            self._demand.append(t)
+        else:
+            self._queue.append(t)
+        self._advance(now)
         return t
 
     def promote(self, t: Transfer) -> None:
-        """Compute now needs a queued prefetch: serve it with on-demand priority."""
-        if not t.scheduled:
-            t.priority = 0
+        self._advance(self._clock())
+        if not t.issued:
+            self._queue.remove(t)
+            t.issued = t.promoted = True
+            self._demand.append(t)
+            self._advance(self._now)
 
     def done(self, t: Transfer) -> bool:
-        now = time.perf_counter()
-        if not t.scheduled:  # a started transfer's end is known: no need to simulate the queue
+        if not t.complete:
+            now = self._clock()
             self._advance(now)
-        return t.scheduled and t.end <= now
+            t.complete = t.end is not None and t.end <= now
+        return t.complete
 
     def wait(self, t: Transfer) -> float:
         """Block until ``t`` is in its slot; returns the seconds compute waited (exposed)."""
-        while not t.scheduled:
-            if not self._pending:
-                raise RuntimeError("waiting for a transfer this link no longer holds (link closed?)")
-            self._advance(float("inf"), stop_after_one=True)
-        start = time.perf_counter()
+        if t.complete:
+            return 0.0
+        if not t.issued:
+            self.promote(t)
+        # The host blocks until t lands, so nothing else can be submitted meanwhile: simulate up to it.
+        self._advance(math.inf, stop=t)
+        start = self._clock()
+        t.complete = True
         if t.end > start:
-            time.sleep(t.end - start)
-            return time.perf_counter() - start
+            self._sleep(t.end - start)
+            return self._clock() - start
         return 0.0
 
     host_wait = wait
 
+    def synchronize(self, event=None) -> None:
+        self._advance(self._clock())  # CPU compute is synchronous: nothing to wait for
+
+    def span(self, t: Transfer) -> tuple[float, float]:
+        return t.start, t.end
+
     def seconds(self, t: Transfer) -> float:
         return t.end - t.start
 
-    def harvest_exposed(self) -> float:
-        return 0.0  # CPU waits are measured where they happen
+    def harvest_exposed(self, spans: list | None = None) -> float:
+        return 0.0  # CPU waits are returned by ``wait`` where they happen
 
     def record_use(self, slot: int) -> None:
-        pass
+        pass  # CPU compute has finished reading a slot when it returns
+
+    def pending(self) -> dict[str, int]:
+        return {"queued": len(self._queue), "prefetch_stream": len(self._stream), "demand": len(self._demand)}
 
     def close(self) -> None:
-        self._pending.clear()
+        self._queue.clear()
+        self._stream.clear()
+        self._demand.clear()
 
-    def _advance(self, until: float, stop_after_one: bool = False) -> None:
-        """Start, in link time, every queued transfer whose start time is at or before ``until``."""
-        while self._pending:
-            ready = max(self._free_at, min(t.submitted for t in self._pending))
-            if ready > until:
-                return
-            t = min((t for t in self._pending if t.submitted <= ready), key=lambda t: (t.priority, t.seq))
-            self._pending.remove(t)
-            self._run(t, ready)
-            t.end = self._free_at = ready + t.nbytes / (self.gbps * 1e9) + self.latency_us * 1e-6
-            if stop_after_one:
-                return
+    # -- the emulated timeline ---------------------------------------------------------------------------------
+    def _advance(self, until: float, stop: Transfer | None = None) -> None:
+        """Run the link from its known time to ``until`` (or until ``stop`` lands): commit prefetches into the
+        window, serve the head of each stream (sharing the bandwidth), retire what lands."""
+        now = self._now
+        while stop is None or stop.end is None:
+            self._commit()
+            active = self._active()
+            if not active:
+                if stop is not None:
+                    raise RuntimeError("waiting for a transfer this link no longer holds (link closed?)")
+                now = max(now, until)
+                break
+            for t in active:
+                if t.start is None:
+                    t.start = now
+                    _copy(t)
+            least = min(t.work for t in active)
+            finish = now + least * len(active)
+            if finish > until:
+                for t in active:
+                    t.work -= (until - now) / len(active)
+                now = until
+                break
+            now = finish
+            for t in active:
+                t.work -= least
+                if t.work <= least * 1e-9:
+                    t.work, t.end = 0.0, now
+                    (self._demand if t.demand or t.promoted else self._stream).remove(t)
+        self._now = max(self._now, now)
 
-    def _run(self, t: Transfer, start: float) -> None:
-        with nvtx_range("expert_h2d"):
-            for d, s in zip(t.dst, t.src, strict=True):
-                d.copy_(s)
-        t.start, t.scheduled, t.dst, t.src = start, True, None, None
+    def _commit(self) -> None:
+        """Fill the prefetch window from the host queue; each waits for the demand transfers before it."""
+        while len(self._stream) < self.window and self._queue:
+            t = self._queue.popleft()
+            t.issued, t.gate = True, (self._demand[-1] if self._demand else None)
+            self._stream.append(t)
 
-
-class CudaLink:
-    """Real host→device transfers on dedicated CUDA copy streams (not exercised without a GPU)."""
-
-    kind = "real"
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.demand_stream = torch.cuda.Stream(device=device, priority=-1)
-        self.prefetch_stream = torch.cuda.Stream(device=device)
-        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._slot_free: dict[int, torch.cuda.Event] = {}
-
-    def describe(self) -> dict:
-        return {"link": "cuda copy streams (pinned host memory, non-blocking)"}
-
-    def submit(self, dst, src, nbytes: int, demand: bool, after: int | None = None) -> Transfer:
-        """Copy into slot ``after``'s tensors once compute has finished reading the slot's previous expert."""
-        t = Transfer(nbytes, demand)
-        stream = self.demand_stream if demand else self.prefetch_stream
-        t.start_event = torch.cuda.Event(enable_timing=True)
-        t.end_event = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream), nvtx_range("expert_h2d"):
-            freed = self._slot_free.get(after) if after is not None else None
-            if freed is not None:
-                stream.wait_event(freed)
-            t.start_event.record(stream)
-            for d, s in zip(dst, src, strict=True):
-                d.copy_(s, non_blocking=True)
-            t.end_event.record(stream)
-        t.scheduled = True
-        return t
-
-    def promote(self, t: Transfer) -> None:
-        pass  # already enqueued on its stream
-
-    def done(self, t: Transfer) -> bool:
-        return bool(t.end_event.query())
-
-    def wait(self, t: Transfer) -> float:
-        """Make the compute stream wait for ``t``; the stall is measured on the GPU (``harvest_exposed``)."""
-        if t.end_event.query():
-            return 0.0
-        stream = torch.cuda.current_stream(self.device)
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record(stream)
-        stream.wait_event(t.end_event)
-        after.record(stream)
-        self._stalls.append((before, after))
-        return 0.0
-
-    def host_wait(self, t: Transfer) -> float:
-        start = time.perf_counter()
-        t.end_event.synchronize()
-        return time.perf_counter() - start
-
-    def seconds(self, t: Transfer) -> float:
-        return t.start_event.elapsed_time(t.end_event) / 1e3
-
-    def record_use(self, slot: int) -> None:
-        """Compute that reads ``slot`` has been enqueued: a later copy into it must wait for it."""
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        self._slot_free[slot] = ev
-
-    def harvest_exposed(self) -> float:
-        torch.cuda.synchronize(self.device)
-        total = sum(a.elapsed_time(b) for a, b in self._stalls) / 1e3
-        self._stalls.clear()
-        return total
-
-    def close(self) -> None:
-        torch.cuda.synchronize(self.device)
+    def _active(self) -> list[Transfer]:
+        active = [self._demand[0]] if self._demand else []
+        if self._stream and (self._stream[0].gate is None or self._stream[0].gate.end is not None):
+            active.append(self._stream[0])
+        return active

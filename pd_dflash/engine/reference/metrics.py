@@ -60,7 +60,7 @@ def assemble(m: CellMeasurement, slo: SLO) -> EngineResult:
     committed = verify_commits(m)
     values, warnings = headline_metrics(m, timed, samples, committed, slo)
     bandwidth, source = measured_bandwidth(m)
-    overlap = transfer_overlap(m.runtime.cache, m.rounds) if m.link.kind in ("emulated", "host") else None
+    overlap = transfer_overlap(m.runtime.cache, m.rounds) if m.link.kind != "none" else None
     hide, hide_warning = hide_inequality(m, bandwidth, overlap)
     missing = [k for k in REQUIRED_METRICS if values[k] is None]
     return EngineResult(
@@ -182,8 +182,8 @@ def hide_inequality(
     m: CellMeasurement, bandwidth: float | None, overlap: dict[str, Any] | None
 ) -> tuple[HideInequality | None, str | None]:
     """``(1−r)·s·M/BW ≤ draft + router + overlap`` per round, from this cell's measured terms (AR: no draft and
-    no router pass, 0). Overlap: the verify windows' share of the link timeline on the CPU link; on CUDA (no
-    host timeline of the copies) the link time not spent stalled."""
+    no router pass, 0). Overlap: the transfer time inside the verify windows (minus stalls), on the host clock on
+    both devices (``transfer_overlap.py``); without a link (B3) nothing moves, so it is 0."""
     rt, c = m.runtime, m.runtime.cache.counters
     if bandwidth is None:
         return None, (
@@ -193,10 +193,7 @@ def hide_inequality(
     if not c.accesses:
         return None, None
     rounds = len(m.rounds)
-    if overlap is not None:
-        overlap_per_round = overlap["overlapped_seconds"]["verify"] / rounds
-    else:
-        overlap_per_round = max(0.0, c.h2d_seconds - c.exposed_seconds) / rounds
+    overlap_per_round = overlap["overlapped_seconds"]["verify"] / rounds if overlap is not None else 0.0
     needed = rt.needed_per_round or [0]
     hide = evaluate_hide_inequality(
         resident_fraction=c.resident_at_round_start / c.accesses,

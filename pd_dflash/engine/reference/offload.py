@@ -2,10 +2,13 @@
 every routed expert from a device-cache slot, and an ``OffloadRuntime`` (one per cell) that owns the cache,
 the prefetcher and the prediction statistics and is driven by the decode loop's round hooks.
 
-Per MoE layer (``OffloadRuntime.run_layer``): the layer's routed experts are pinned/fetched in ascending id
-order (the eager order, so offloaded and resident outputs are bit-identical), the prefetcher then learns from
-the routing and issues fetches for the next layer, and each expert is computed as soon as its slot is ready
-and released right after, so a cache smaller than the layer's union still works (it streams).
+Per MoE layer (``OffloadRuntime.run_layer``): the routing comes to the host in ONE transfer, the layer's routed
+experts are pinned/fetched in ascending id order (the eager order, so offloaded and resident outputs are
+bit-identical), the prefetcher then learns from the routing and issues fetches for the next layer, and each
+expert is computed as soon as its slot is ready and released right after, so a cache smaller than the layer's
+union still works (it streams). Each expert's rows come from ONE stable sort of the layer's routing on the
+device and the host's per-expert counts: no host↔device synchronization per expert, so on CUDA the host
+enqueues a whole layer ahead of the GPU.
 """
 
 from __future__ import annotations
@@ -36,10 +39,14 @@ class OffloadedExperts(nn.Module):
         if self.runtime is None:
             raise RuntimeError("OffloadedExperts used without an OffloadRuntime (call runtime.attach(model))")
         final = torch.zeros_like(hidden_states)
-        per_expert = top_k_index.T  # [k, tokens]: the eager path's expert_mask[e] order
+        tokens = top_k_index.shape[0]
+        # Entry i of the position-major flattening is (top-k position i // tokens, token i % tokens); a stable
+        # sort by expert keeps, within each expert, the eager path's torch.where(expert_mask[e]) order.
+        order = torch.sort(top_k_index.T.reshape(-1), stable=True).indices
 
-        def compute(expert: int, weights: list[torch.Tensor]) -> None:
-            top_k_pos, token_idx = torch.where(per_expert == expert)
+        def compute(expert: int, weights: list[torch.Tensor], rows: slice) -> None:
+            picked = order[rows]
+            top_k_pos, token_idx = picked // tokens, picked % tokens
             out = self.expert_fn(hidden_states[token_idx], weights)
             out = out * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
@@ -48,8 +55,12 @@ class OffloadedExperts(nn.Module):
         return final
 
 
-def install_offload(model: nn.Module, family: MoEFamily, storage: str, pin: bool) -> HostExpertStore:
-    """Move every MoE layer's experts into a host store and replace the modules (frees the fused params)."""
+def install_offload(
+    model: nn.Module, family: MoEFamily, storage: str, pin: bool, host_available_bytes: int | None = None
+) -> HostExpertStore:
+    """Move every MoE layer's experts into a host store and replace the modules (frees the fused params as the
+    store fills). ``Refused``, before the store allocates anything, when it would not fit in
+    ``host_available_bytes`` (the model is then left without its experts: the engine refuses every cell)."""
     tensors: dict[int, list[torch.Tensor]] = {}
     for i, layer in enumerate(model.model.layers):
         experts = family.experts_module(layer)
@@ -57,7 +68,7 @@ def install_offload(model: nn.Module, family: MoEFamily, storage: str, pin: bool
             continue
         tensors[i] = [getattr(experts, name).data for name in family.tensor_names]
         layer.mlp.experts = OffloadedExperts(i, family.expert_fn(experts))
-    store = HostExpertStore(tensors, storage=storage, pin=pin)
+    store = HostExpertStore(tensors, storage=storage, pin=pin, host_available_bytes=host_available_bytes)
     if store.num_experts != num_experts(model.config):
         raise ValueError(
             f"store has {store.num_experts} experts per layer, config says {num_experts(model.config)}"
@@ -139,8 +150,37 @@ class OffloadRuntime:
         self.cache.close()
 
     # -- the experts seam ------------------------------------------------------------------------------------
-    def run_layer(self, layer: int, top_k_index: torch.Tensor, compute: Callable[[int, list], None]) -> None:
-        needed = torch.unique(top_k_index).tolist()  # ascending, like the eager path
+    def synchronize(self, event=None) -> None:
+        """Block the host until the compute stream (or ``event``) has finished, never the whole device; the
+        link keeps its prefetch queue moving meanwhile (``link.py``)."""
+        if self.cache.link is not None:
+            self.cache.link.synchronize(event)
+        elif event is not None:
+            event.synchronize()
+        elif self.cache.device.type == "cuda":
+            torch.cuda.current_stream(self.cache.device).synchronize()
+
+    def routing_to_host(self, top_k_index: torch.Tensor) -> torch.Tensor:
+        """The layer's ``[tokens, k]`` routing on the host: one device→host copy, waited for through the link."""
+        if top_k_index.device.type != "cuda":
+            return top_k_index
+        host = torch.empty(top_k_index.shape, dtype=top_k_index.dtype, pin_memory=True)
+        host.copy_(top_k_index, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record(torch.cuda.current_stream(top_k_index.device))
+        self.synchronize(landed)
+        return host
+
+    def run_layer(
+        self, layer: int, top_k_index: torch.Tensor, compute: Callable[[int, list, slice], None]
+    ) -> None:
+        """Fetch and compute layer ``layer``'s routed experts; ``compute(expert, weights, rows)`` gets the
+        expert's entries in the stable sort of the routing by expert id."""
+        top_k_index = self.routing_to_host(top_k_index)
+        experts, counts = torch.unique(top_k_index, return_counts=True)  # ascending, like the eager path
+        needed = experts.tolist()
+        ends = counts.cumsum(0).tolist()
+        rows = {e: slice(end - n, end) for e, end, n in zip(needed, ends, counts.tolist(), strict=True)}
         observe = self.in_round and layer not in self._observed
         prefetcher = self.prefetcher if observe else None
         if observe:
@@ -169,7 +209,7 @@ class OffloadRuntime:
             prefetcher.after_layer(self.cache, layer, top_k_index)
         while window:
             expert, entry = window.popleft()
-            compute(expert, self.cache.weights(entry))
+            compute(expert, self.cache.weights(entry), rows[expert])
             self.cache.release(entry)
             if todo:
                 fill()

@@ -152,8 +152,10 @@ class _Serving:
         fresh = [r for r in self.active if r.rid not in self.pending]
         if not fresh:
             return []
+        # A speculative proposal drafts only for requests past their prefill (a prompt is proposed as it is).
+        drafting = self.decoding.speculative and any(r.cached for r in fresh)
         t0 = self.clock()
-        with nvtx_range("dflash_draft") if self.decoding.speculative else nullcontext():
+        with nvtx_range("dflash_draft") if drafting else nullcontext():
             blocks = self.decoding.propose(fresh)
         t1 = self.clock()
         routed = self.hooks.plan(blocks)  # route-ahead: the router pass (its own NVTX range)
@@ -162,7 +164,7 @@ class _Serving:
             b.ready_step = self.step
             self.pending[b.request.rid] = b
         windows = []
-        if self.decoding.speculative and any(not b.prefill for b in blocks):
+        if drafting:
             windows.append(("draft", t0, t1))
         if routed:
             windows.append(("router", t1, t2))

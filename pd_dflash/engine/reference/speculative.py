@@ -119,6 +119,7 @@ class BlockDrafterSource:
             hidden = self.drafter.hidden_states(anchors, torch.stack([r.features for r in group]), block_size)
             logits = self.drafter.logits(hidden[:, 1:])
             q = probabilities(logits, temperature) if temperature > 0 else None
+            self.target.synchronize()  # the draft's end (on CUDA the link keeps prefetching meanwhile)
             for i, r in enumerate(group):
                 drafts = (sample(q[i], r.generator) if q is not None else logits[i].argmax(-1)).tolist()
                 tokens = [r.output[-1], *drafts]

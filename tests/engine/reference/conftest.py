@@ -68,3 +68,15 @@ def eager_copy(model):
     ref = copy.deepcopy(model)
     ref.set_experts_implementation("eager")
     return ref
+
+
+def record_figure(test: str, **values) -> None:
+    """Append a GPU test's measured figures to ``$PD_DFLASH_GPU_FIGURES`` (JSON lines) when it is set: the GPU
+    check puts them in its summary, so a run records what it measured, not only pass/fail."""
+    import json
+    import os
+
+    path = os.environ.get("PD_DFLASH_GPU_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, **values}, default=str) + "\n")

@@ -1,0 +1,195 @@
+"""``CudaLink``: the link of ``link.py`` (its policy and interface are documented there) on a CUDA device.
+
+Two copy streams from pinned host memory (the arena of ``expert_store.py``): demand copies on one, at most
+``window`` prefetches on the other with the rest queued on the host, each prefetch issued after a demand copy
+waiting for the event recorded after it. Every call pumps the host queue (retires landed prefetches, issues
+the next), and so does every host wait that goes through the link (``synchronize``, ``host_wait``): while
+prefetches wait on the host, the link polls instead of blocking. Compute waits only for the experts it needs
+(``wait_event`` on the compute stream) and the stall is measured on the GPU by an event pair around the wait.
+Event times are placed on the host clock through a reference event recorded on the idle compute stream after
+each ``synchronize``, so transfers, stalls and compute windows share one clock with the CPU link's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+
+import torch
+
+from pd_dflash.engine.nvtx_ranges import nvtx_range
+from pd_dflash.engine.reference.link import PREFETCH_WINDOW, Transfer
+
+
+class CudaLink:
+    """Real host→device transfers on two CUDA copy streams from pinned host memory (the policy of ``link.py``)."""
+
+    kind = "real"
+
+    def __init__(self, device: torch.device, window: int = PREFETCH_WINDOW, *, clock=time.perf_counter):
+        if window < 1:
+            raise ValueError(f"the prefetch window must be at least 1 transfer, got {window}")
+        self.device, self.window, self._clock = device, window, clock
+        self.demand_stream = torch.cuda.Stream(device=device)
+        self.prefetch_stream = torch.cuda.Stream(device=device)
+        self._queue: deque[Transfer] = deque()  # host queue
+        self._window: deque[Transfer] = deque()  # issued on the prefetch stream, not yet known landed
+        self._last_demand: torch.cuda.Event | None = None  # after the last demand copy
+        self._gated: torch.cuda.Event | None = None  # the demand event the prefetch stream already waits for
+        self._slot_free: dict[int, torch.cuda.Event] = {}
+        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event, tuple]] = []
+        self._seq = itertools.count()
+        torch.cuda.current_stream(device).synchronize()
+        self._ref = self._reference()
+
+    def describe(self) -> dict:
+        return {
+            "link": "cuda copy streams (pinned host memory, non-blocking)",
+            "prefetch_window": self.window,
+        }
+
+    def submit(self, dst, src, nbytes: int, demand: bool, after: int | None = None) -> Transfer:
+        t = Transfer(nbytes, demand, dst, src, next(self._seq), after, self._clock())
+        if demand:
+            self._issue(t, self.demand_stream)
+        else:
+            self._queue.append(t)
+        self._pump()
+        return t
+
+    def promote(self, t: Transfer) -> None:
+        if not t.issued:
+            self._queue.remove(t)
+            t.promoted = True
+            self._issue(t, self.demand_stream)
+
+    def done(self, t: Transfer) -> bool:
+        if not t.issued:
+            self._pump()
+        return self._landed(t)
+
+    def wait(self, t: Transfer) -> float:
+        """The compute stream waits for ``t`` (the host does not); the stall is measured by an event pair."""
+        if not t.issued:
+            self.promote(t)
+        self._pump()
+        if self._landed(t):
+            return 0.0
+        stream = torch.cuda.current_stream(self.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(t.end_event)
+        after.record(stream)
+        self._stalls.append((before, after, self._ref))
+        return 0.0
+
+    def host_wait(self, t: Transfer) -> float:
+        if not t.issued:
+            self.promote(t)
+        start = self._clock()
+        self._host_wait_event(t.end_event)
+        t.complete = True
+        self._pump()
+        return self._clock() - start
+
+    def synchronize(self, event: torch.cuda.Event | None = None) -> None:
+        """Block until ``event`` (default: everything enqueued on the compute stream) has completed."""
+        idle = event is None
+        if idle:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self._host_wait_event(event)
+        if idle:
+            self._ref = self._reference()
+
+    def span(self, t: Transfer) -> tuple[float, float]:
+        return self._host_time(t.ref, t.start_event), self._host_time(t.ref, t.end_event)
+
+    def seconds(self, t: Transfer) -> float:
+        return t.start_event.elapsed_time(t.end_event) / 1e3
+
+    def record_use(self, slot: int) -> None:
+        """Compute that reads ``slot`` has been enqueued: a later copy into it must wait for it."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._slot_free[slot] = ev
+
+    def harvest_exposed(self, spans: list | None = None) -> float:
+        """Stalls whose end has completed (no synchronization: the others are kept for a later call)."""
+        total, keep = 0.0, []
+        for before, after, ref in self._stalls:
+            if not after.query():
+                keep.append((before, after, ref))
+                continue
+            a, b = self._host_time(ref, before), self._host_time(ref, after)
+            total += b - a
+            if spans is not None:
+                spans.append((a, b))
+        self._stalls = keep
+        return total
+
+    def pending(self) -> dict[str, int]:
+        self._pump()
+        return {"queued": len(self._queue), "prefetch_stream": len(self._window)}
+
+    def close(self) -> None:
+        self._queue.clear()
+        self.demand_stream.synchronize()
+        self.prefetch_stream.synchronize()
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    def _issue(self, t: Transfer, stream: torch.cuda.Stream) -> None:
+        """Enqueue ``t``'s copies (``expert_h2d`` spans the enqueue; the copy is the GPU trace's memcpy)."""
+        t.ref = self._ref
+        t.start_event = torch.cuda.Event(enable_timing=True)
+        t.end_event = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream), nvtx_range("expert_h2d"):
+            self._wait_slot_free(stream, t.slot)
+            if stream is self.prefetch_stream and self._last_demand is not self._gated:
+                stream.wait_event(self._last_demand)  # yield to the demand copies submitted before
+                self._gated = self._last_demand
+            t.start_event.record(stream)
+            for d, s in zip(t.dst, t.src, strict=True):
+                d.copy_(s, non_blocking=True)
+            t.end_event.record(stream)
+        t.dst = t.src = None
+        t.issued = True
+        if stream is self.demand_stream:
+            self._last_demand = t.end_event
+        else:
+            self._window.append(t)
+
+    def _wait_slot_free(self, stream: torch.cuda.Stream, slot: int | None) -> None:
+        freed = self._slot_free.get(slot) if slot is not None else None
+        if freed is not None:
+            stream.wait_event(freed)
+
+    def _pump(self) -> None:
+        """Retire landed prefetches (FIFO on one stream) and issue queued ones while the window has room."""
+        while self._window and self._landed(self._window[0]):
+            self._window.popleft()
+        while self._queue and len(self._window) < self.window:
+            self._issue(self._queue.popleft(), self.prefetch_stream)
+
+    def _landed(self, t: Transfer) -> bool:
+        if not t.complete and t.issued and t.end_event.query():
+            t.complete = True
+        return t.complete
+
+    def _host_wait_event(self, event: torch.cuda.Event) -> None:
+        """Block the host until ``event``; while prefetches wait on the host, keep issuing them (polling)."""
+        while self._queue and not event.query():
+            self._pump()
+            time.sleep(0)
+        event.synchronize()
+
+    def _reference(self) -> tuple[torch.cuda.Event, float]:
+        """An event on the idle compute stream and the host time it completes at (the clock's anchor)."""
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev, self._clock()
+
+    @staticmethod
+    def _host_time(ref: tuple[torch.cuda.Event, float], ev: torch.cuda.Event) -> float:
+        return ref[1] + ref[0].elapsed_time(ev) / 1e3

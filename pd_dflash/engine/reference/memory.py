@@ -1,0 +1,110 @@
+"""Memory checked before it is allocated: the host (the pinned expert arena) and the device (non-expert weights,
+the expert cache, the KV cache). A figure that does not fit is ``Refused`` with the figures and the fix, so it
+becomes a REFUSED row, never an out-of-memory ERROR halfway through a cell.
+
+What is available:
+
+- host: ``MemAvailable`` from ``/proc/meminfo``, lowered to the cgroup's headroom (``memory.max −
+  memory.current``, cgroup v2, or v1's ``limit_in_bytes − usage_in_bytes``) when the process runs under a
+  limit (a container, a Ray worker with a memory limit); None where neither is readable (not Linux);
+- device: the CUDA driver's free bytes plus what torch's caching allocator holds reserved but unused (it hands
+  that back to this process first); None on the CPU (nothing to check).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pd_dflash.engine.interface import Refused
+from pd_dflash.schema import Status
+
+#: Device bytes left free beyond what is counted (activations, cuBLAS workspaces, allocator fragmentation).
+DEVICE_HEADROOM_BYTES = 512 * 2**20
+
+
+def host_available_bytes() -> int | None:
+    """Host memory this process can still use, in bytes (None where it cannot be read)."""
+    figures = [_meminfo_available()]
+    for limit, used in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        cap, current = _read_int(limit), _read_int(used)
+        if cap is not None and current is not None and cap < 2**60:  # "max" or v1's huge value: no limit
+            figures.append(max(0, cap - current))
+    known = [f for f in figures if f is not None]
+    return min(known) if known else None
+
+
+def device_available_bytes(device: torch.device) -> int | None:
+    """Device memory torch can still allocate on ``device`` (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def require(what: str, needed: int, available: int | None, fix: str, where: str) -> None:
+    """Refuse unless ``needed`` bytes fit in ``available`` (None: not measurable here, nothing to check)."""
+    if available is not None and needed > available:
+        raise Refused(
+            Status.REFUSED,
+            f"{what} needs {needed:,} B of {where} memory but only {available:,} B are available "
+            f"({needed / 2**30:.2f} GiB > {available / 2**30:.2f} GiB). Fix: {fix}",
+        )
+
+
+def require_cell_device_memory(
+    cell, store, capacity: int, config, dtype: torch.dtype, *, tokens: int, available: int | None
+) -> None:
+    """A cell's expert cache + an upper bound of its KV cache (``tokens`` per request, c requests) + headroom
+    must fit on the device before anything is allocated."""
+    slots = min(capacity // store.expert_nbytes, store.num_entries)
+    cache = slots * store.expert_nbytes
+    kv = kv_cache_bytes(config, tokens, cell.concurrency, torch.empty((), dtype=dtype).element_size())
+    fix = (
+        "lower memory.expert_cache_fraction (or engine_options.expert_cache_bytes) or the concurrency"
+        if cell.offloaded
+        else "B3 holds every expert on the device: it needs a GPU that holds them all"
+    )
+    require(
+        f"{cell.baseline} at c = {cell.concurrency}: the expert cache ({cache:,} B, {slots} slots) + the KV "
+        f"cache (≤ {kv:,} B) + {DEVICE_HEADROOM_BYTES:,} B of headroom",
+        cache + kv + DEVICE_HEADROOM_BYTES,
+        available,
+        fix,
+        "device",
+    )
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers as they are stored now."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def kv_cache_bytes(config, tokens_per_request: int, requests: int, element_size: int) -> int:
+    """An upper bound of the KV cache: every layer keeps K and V of every token (sliding windows keep fewer)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * heads * head_dim * element_size
+    return per_token * tokens_per_request * requests
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        return int(Path(path).read_text().strip())
+    except (OSError, ValueError):
+        return None
