@@ -376,3 +376,98 @@ def test_assembled_row_without_a_prefetcher_is_partial_and_says_why():
     ]
     assert result.route_ahead is None and "prediction" not in result.engine and "bm1" not in result.engine
     assert result.t_draft_seconds is None
+
+
+# -- BM4 overlap of the transfers with the compute windows -----------------------------------------------------
+
+#: Round windows: draft [0, 0.25), router [0.25, 0.3125), verify [0.5, 1.0) and [1.0, 1.5); compute stalled on
+#: the link during [0.75, 0.875). Transfers: a prefetch of 1000 B over [0.125, 0.625), an on-demand fetch of
+#: 2000 B over [0.75, 1.25), and an instantaneous 500 B one at 2.0 (no duration: hidden nowhere).
+WINDOWS = [
+    [("draft", 0.0, 0.25), ("router", 0.25, 0.3125), ("issue", 0.3125, 0.5), ("verify", 0.5, 1.0)],
+    [("verify", 1.0, 1.5)],
+]
+LINK = SimpleNamespace(
+    transfer_log=[(0.125, 0.625, 1000, False), (0.75, 1.25, 2000, True), (2.0, 2.0, 500, False)],
+    stall_log=[(0.75, 0.875)],
+)
+
+
+def overlap_rounds() -> list[RoundRecord]:
+    out = []
+    for windows in WINDOWS:
+        rec = rounds()[1]
+        rec.windows = windows
+        out.append(rec)
+    return out
+
+
+def test_transfer_overlap_by_hand():
+    from pd_dflash.engine.reference.transfer_overlap import compute_windows, transfer_overlap
+
+    windows = compute_windows(overlap_rounds(), LINK.stall_log)
+    assert windows == {
+        "draft": [(0.0, 0.25)],
+        "router": [(0.25, 0.3125)],
+        "verify": [(0.5, 0.75), (0.875, 1.5)],  # the stall is not compute
+        "any_compute": [(0.0, 0.3125), (0.5, 0.75), (0.875, 1.5)],  # issue windows do not hide
+    }
+    out = transfer_overlap(LINK, overlap_rounds())
+    # prefetch: draft 0.125, router 0.0625, verify 0.125 (any 0.3125); demand: verify 0.375 (any 0.375)
+    assert out["overlapped_seconds"] == {
+        "draft": 0.125,
+        "router": 0.0625,
+        "verify": 0.5,
+        "any_compute": 0.6875,
+    }
+    # bytes weighted by the overlapped share of each transfer's duration, over all 3500 B
+    assert out["overlap_fraction"] == {
+        "draft": 250 / 3500,
+        "router": 125 / 3500,
+        "verify": (250 + 1500) / 3500,
+        "any_compute": (625 + 1500) / 3500,
+    }
+    assert out["h2d_bytes"] == 3500 and out["h2d_link_seconds"] == 1.0
+    assert out["transfers"] == 3 and out["demand_transfers"] == 1 and out["stall_seconds"] == 0.125
+    assert out["source"].startswith("engine timestamps")
+    empty = transfer_overlap(SimpleNamespace(transfer_log=[], stall_log=[]), overlap_rounds())
+    assert empty["overlap_fraction"] == dict.fromkeys(["draft", "router", "verify", "any_compute"])
+    assert empty["h2d_link_seconds"] == 0 and empty["stall_seconds"] == 0
+
+
+def test_assembled_row_with_a_link_carries_overlap_cost_terms_and_bookkeeping():
+    rt = runtime()
+    rt.cache.transfer_log, rt.cache.stall_log = LINK.transfer_log, LINK.stall_log
+    m = measurement(
+        link=LinkFacts(kind="emulated", emulated_gbps=1.0, emulated_latency_us=10.0),
+        runtime=rt,
+        rounds=overlap_rounds(),
+        timings={"timed_seconds": 2.0},
+        telemetry={"start": {"gpu": 0}},
+    )
+    result = metrics.assemble(m, SLO())
+    assert result.engine["overlap"]["overlapped_seconds"]["verify"] == 0.5
+    assert result.hide_inequality.overlap_seconds == 0.5 / 2  # per round, two rounds
+    assert (
+        result.cost_terms.h2d_link == "emulated" and result.cost_terms.measured_h2d_bytes_per_second == 14_000
+    )
+    assert (
+        result.cost_terms.h2d_bandwidth_source == "transfers"
+        and result.cost_terms.wasted_prefetch_bytes == 2000
+    )
+    assert result.timings == {"timed_seconds": 2.0} and result.telemetry == {"start": {"gpu": 0}}
+    # Without a measured bandwidth the row says why the hide inequality is missing.
+    idle = runtime(
+        cache=SimpleNamespace(
+            counters=CacheCounters(accesses=8, hits=8, h2d_bytes=0),
+            resident=False,
+            capacity_bytes=8000,
+            num_slots=8,
+            policy="lru",
+        )
+    )
+    result = metrics.assemble(measurement(runtime=idle), SLO())
+    assert result.hide_inequality is None
+    assert result.warnings[-1].startswith(
+        "hide_inequality not evaluated: no measured host-to-device bandwidth"
+    )
