@@ -1,0 +1,104 @@
+"""``routed_rows``: every accepted input form gives the same rows, and every rejected one names what is wrong
+(the full message: it is what a caller wiring a new router reads)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from pd_dflash.engine.route_ahead import routed_rows
+
+ROWS = (frozenset({0, 2}), frozenset({1}))
+
+
+class DimOnly:
+    """A tensor-like with a dtype and ``dim()`` but no ``ndim`` attribute."""
+
+    def __init__(self, data, dtype="torch.int64"):
+        self.data, self.dtype = data, dtype
+
+    def dim(self) -> int:
+        return 2 if isinstance(self.data[0], list) else 1
+
+    def tolist(self):
+        return self.data
+
+
+@pytest.mark.parametrize(
+    "routed",
+    [
+        [[True, False, True], [False, True, False]],
+        [[0, 2], [1]],
+        torch.tensor([[True, False, True], [False, True, False]]),
+        torch.tensor([[0, 2], [1, 1]]),
+        np.array([[True, False, True], [False, True, False]]),
+        np.array([[0, 2], [1, 1]], dtype=np.int32),
+        [np.array([0, 2]), np.array([1])],
+        DimOnly([[0, 2], [1, 1]]),
+        DimOnly([[True, False, True], [False, True, False]], dtype="torch.bool"),
+    ],
+    ids=["bool-lists", "id-lists", "bool-tensor", "id-tensor", "bool-array", "id-array", "array-rows", "dim-only-ids",
+         "dim-only-mask"],
+)  # fmt: skip
+def test_every_accepted_form_gives_the_same_rows(routed):
+    assert routed_rows(routed) == ROWS
+
+
+def test_a_float_tensor_needs_an_explicit_kind():
+    f = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    message = "routed is a float tensor: pass kind='mask' for a [tokens, experts] mask or kind='ids'"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        routed_rows(f)
+    assert routed_rows(f, "mask") == ROWS
+    assert routed_rows(torch.tensor([[0.0, 2.0], [1.0, 1.0]]), "ids") == ROWS
+    assert routed_rows([[1, 0, 1], [0, 1, 0]], "mask") == ROWS  # truthy entries of an explicit mask
+
+
+@pytest.mark.parametrize(
+    ("routed", "kind", "message"),
+    [
+        (torch.tensor([True, False]), "auto", "router mask must be 2-D [tokens, experts], got 1-D"),
+        (
+            torch.zeros(2, 2, 2, dtype=torch.bool),
+            "auto",
+            "router mask must be 2-D [tokens, experts], got 3-D",
+        ),
+        (torch.tensor([0, 1]), "auto", "routed expert ids must be 2-D [tokens, top_k], got 1-D"),
+        (
+            torch.tensor([[1.0]]).reshape(1, 1, 1),
+            "mask",
+            "router mask must be 2-D [tokens, experts], got 3-D",
+        ),
+        (torch.tensor([0.0, 1.0]), "ids", "routed expert ids must be 2-D [tokens, top_k], got 1-D"),
+        (DimOnly([0, 1]), "auto", "routed expert ids must be 2-D [tokens, top_k], got 1-D"),
+        (5, "auto", "routed must be a 2-D mask or a sequence of per-token expert ids, got int"),
+        ("ab", "auto", "routed must be a 2-D mask or a sequence of per-token expert ids, got str"),
+        (
+            [[0], 3],
+            "auto",
+            "routed must be 2-D: row 1 is a int, not a sequence (a 1-D mask or a flat id list",
+        ),
+        ([[0], "ab"], "auto", "routed must be 2-D: row 1 is a str, not a sequence"),
+        ([[True, 1]], "auto", "routed mixes bools and ids; pass kind='mask' or kind='ids'"),
+        ([[True], [False, True]], "mask", "router mask must be 2-D and rectangular, got row widths [1, 2]"),
+        ([[[True]], [[False]]], "mask", "router mask must be 2-D, got a deeper nesting"),
+        ([[0], [[1]]], "ids", "routed expert ids must be 2-D, row 1 nests deeper"),
+        ([[0], [-1]], "ids", "routed expert id -1 in row 1 is not a non-negative integer"),
+        ([[1.5]], "ids", "routed expert id 1.5 in row 0 is not a non-negative integer"),
+        ([[0], [True]], "ids", "routed expert id True in row 1 is not a non-negative integer"),
+        ([[0]], "bits", "routed kind must be 'auto', 'mask' or 'ids', got 'bits'"),
+    ],
+)
+def test_rejected_inputs_name_the_problem(routed, kind, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        routed_rows(routed, kind)
+
+
+def test_an_empty_routing_has_no_rows_and_empty_rows_route_nothing():
+    assert routed_rows([]) == ()
+    assert routed_rows([[], []]) == (frozenset(), frozenset())
+    assert routed_rows([[0], []]) == (frozenset({0}), frozenset())
+    assert routed_rows([[2.0, 0]], "ids") == (frozenset({0, 2}),)  # whole floats are ids
