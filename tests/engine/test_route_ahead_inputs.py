@@ -102,3 +102,43 @@ def test_an_empty_routing_has_no_rows_and_empty_rows_route_nothing():
     assert routed_rows([[], []]) == (frozenset(), frozenset())
     assert routed_rows([[0], []]) == (frozenset({0}), frozenset())
     assert routed_rows([[2.0, 0]], "ids") == (frozenset({0, 2}),)  # whole floats are ids
+
+
+# -- the counters add up over layers and steps, whatever their order ---------------------------------------------
+
+
+def test_a_step_sums_every_layer_even_when_a_later_layer_wastes_nothing():
+    from pd_dflash.engine.route_ahead import RouteAheadStats
+
+    stats = RouteAheadStats()
+    stats.begin_step()
+    nbytes = dict.fromkeys(range(8), 10)
+    stats.observe_layer(0, [5, 6, 0], [[0], [1]], nbytes)  # U_keep(1 row) = {0}: wasted {5, 6}
+    stats.observe_layer(1, [0], [[0], [2]], nbytes)  # wasted nothing
+    summary = stats.commit_step(1)
+    assert (summary.predicted, summary.actual, summary.covered, summary.kept, summary.wasted) == (
+        4,
+        4,
+        2,
+        2,
+        2,
+    )
+    assert (summary.predicted_bytes, summary.kept_bytes, summary.wasted_bytes) == (40, 20, 20)
+    # A second step that keeps everything adds to the totals rather than replacing them.
+    stats.begin_step()
+    stats.observe_layer(0, [1], [[1]], nbytes)
+    stats.commit_step(1)
+    assert (stats.kept_experts, stats.wasted_experts, stats.steps) == (3, 2, 2)
+    assert (stats.predicted_prefetch_bytes, stats.kept_prefetch_bytes, stats.wasted_prefetch_bytes) == (
+        50,
+        30,
+        20,
+    )
+
+
+def test_commit_step_needs_exactly_one_of_rows_or_spans():
+    from pd_dflash.engine.route_ahead import RouteAheadStats
+
+    message = "commit_step needs exactly one of kept_rows or kept_spans"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RouteAheadStats().commit_step()

@@ -471,3 +471,56 @@ def test_assembled_row_with_a_link_carries_overlap_cost_terms_and_bookkeeping():
     assert result.warnings[-1].startswith(
         "hide_inequality not evaluated: no measured host-to-device bandwidth"
     )
+
+
+# -- details people read: facts, digests, messages ----------------------------------------------------------------
+
+
+def test_a_round_whose_prefill_flags_do_not_match_its_blocks_is_an_error():
+    broken = rounds()
+    broken[1].prefill = [False]  # two committed blocks, one flag
+    with pytest.raises(ValueError, match="zip"):
+        metrics.verify_commits(measurement(rounds=broken))
+
+
+def test_engine_facts_carry_the_batch_the_cache_and_a_digest_of_the_outputs():
+    import hashlib
+    import json
+
+    result = metrics.assemble(measurement(), SLO())
+    outputs = json.dumps([[1, 2, 3], [1, 2, 3]]).encode()
+    assert result.engine["output_digest"] == hashlib.sha256(outputs).hexdigest()[:16]
+    assert result.engine["batch"]["rounds"] == 4 and result.engine["expert_cache"]["slots"] == 8
+    assert "overlap" not in result.engine  # no link: nothing was transferred
+
+
+def test_means_over_one_round_and_a_long_occupancy_series():
+    facts = metrics.expert_cache_facts(
+        runtime(needed_per_round=[6], occupancy_per_round=list(range(100))), 2.0
+    )
+    assert facts["needed_experts_per_round_mean"] == 6
+    assert facts["occupancy_bytes_mean"] == sum(range(100)) / 100
+    assert len(facts["occupancy_bytes_series"]) == 64 and facts["occupancy_bytes_series"][-1] == 99
+
+
+def test_saturation_without_recorded_needs_is_zero():
+    hide, _ = metrics.hide_inequality(measurement(runtime=runtime(needed_per_round=[])), 14_000.0, None)
+    assert hide.saturation == 0.0 and hide.fetch_seconds == 0.0
+
+
+def test_bandwidth_needs_bytes_and_seconds():
+    one_byte = runtime(cache=SimpleNamespace(counters=CacheCounters(h2d_bytes=1, h2d_seconds=0.5)))
+    assert metrics.measured_bandwidth(measurement(runtime=one_byte)) == (2.0, "transfers")
+    no_bytes = runtime(cache=SimpleNamespace(counters=CacheCounters(h2d_bytes=0, h2d_seconds=0.5)))
+    assert metrics.measured_bandwidth(measurement(runtime=no_bytes)) == (None, None)
+
+
+def test_the_warnings_say_what_is_missing_and_why():
+    _, warning = metrics.hide_inequality(measurement(), None, None)
+    assert warning == (
+        "hide_inequality not evaluated: no measured host-to-device bandwidth "
+        "(no transfer in this cell and no CUDA probe; a datasheet figure is never used)"
+    )
+    assert metrics.prefetch_coverage(runtime(stats=RouteAheadStats()))[1] == (
+        "route_ahead_prefetch_coverage not reported: nothing was routed (coverage would be vacuous)"
+    )
