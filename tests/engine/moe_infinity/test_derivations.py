@@ -413,3 +413,139 @@ def test_observed_max_in_flight_is_the_most_requests_between_first_and_last_chun
     back_to_back = [trace("x", 0, [(0, 0.1), (1, 0.2)], 2), trace("y", 0, [(2, 0.3), (3, 0.4)], 2)]
     assert m.observed_max_in_flight(back_to_back) == 1
     assert m.observed_max_in_flight([RequestTrace("z", 0.0)]) == 0
+
+
+# -- the assembled row -------------------------------------------------------------------------------------------
+
+ROUTE = {
+    "steps": 3,
+    "layers_observed": 12,
+    "predicted_experts": 10,
+    "actual_experts": 8,
+    "covered_experts": 7,
+    "kept_experts": 6,
+    "wasted_experts": 4,
+    "coverage": 0.875,
+    "waste_ratio": 0.4,
+    "predicted_prefetch_bytes": 10_000_000,
+    "kept_prefetch_bytes": 6_000_000,
+    "wasted_prefetch_bytes": 4_000_000,
+}
+
+
+def ours_observation(**over) -> Observation:
+    from pd_dflash.engine.moe_infinity.serving import ModelExecutions
+
+    fields = dict(
+        run=ClientRun(TRACES, steps=4, elapsed=2.0),
+        rounds=RoundLog(
+            committed=[3, 4, 1],
+            draft_seconds=[0.125, 0.125, 0.25],
+            verify_seconds=[0.25, 0.5, 0.25],
+            demand_bytes=[1000, 3000],
+        ),
+        sessions=SessionWatch(sessions=["s1", "s2"], teed=2, private_kv_peak_tokens=30),
+        stats=dict(ROUTE),
+        bindings={"bound": 3, "withheld": 0},
+        hit=(0.5, "engine.expert_cache_hit_rate"),
+        occupancy=(3_000_000.0, "engine.expert_occupancy_bytes (peak over serving steps)"),
+        exposed_after=0.25,
+        baseline=CounterBaseline(True, None, 0.0, ["baseline note"]),
+        native_getters=GETTERS,
+        paged_kv_bytes=4096,
+        token_kv_bytes=512,
+        timings={"timed_seconds": 2.0},
+    )
+    fields.update(over)
+    obs = observation(**fields)
+    obs.loop.peak_speculative_sessions = 2
+    obs.loop.executions = ModelExecutions(calls=5, rows=12)
+    return obs
+
+
+def assemble(plan, obs, *, concurrency=2, baseline="OURS"):
+    ctx = SimpleNamespace(slo=SLO())
+    loaded = SimpleNamespace(warnings=["load note"], num_offloaded=10)
+    cell_ = SimpleNamespace(concurrency=concurrency, block_size=4, offloaded=True, baseline=baseline)
+    return results.assemble(ctx, loaded, {"name": "moe_infinity"}, cell_, plan, obs, None, False)
+
+
+def test_an_ours_row_assembled_from_its_observation():
+    r = assemble(OURS, ours_observation())
+    assert r.status.value == "OK" and r.missing_metrics() == []
+    assert r.output_tokens_per_second == 3.0 and r.goodput_at_slo == 3.0 and r.ttft_seconds == 0.25
+    assert r.acceptance_length_a == 8 / 3 and r.acceptance_histogram == {1: 1, 3: 1, 4: 1}
+    assert r.per_round_latency_seconds == 1.0 / 3
+    assert r.expert_cache_hit_rate == 0.5 and r.expert_occupancy_bytes == 3_000_000
+    assert r.route_ahead_prefetch_coverage == 0.875 and r.wasted_prefetch_bytes == 4_000_000
+    assert r.kv_occupancy_bytes == 30 * 512
+    assert r.warnings == ["load note", "baseline note", m.ABSENT["measured_h2d_bytes_per_second"]]
+    assert r.t_draft_seconds == 0.5 and r.t_verify_seconds == 1.0
+    assert set(r.latency) == {"ttft_seconds", "tpot_seconds", "e2e_seconds", "round_seconds", "draft_seconds",
+                              "verify_seconds"}  # fmt: skip
+    assert r.route_ahead == ROUTE and (r.requests, r.generated_tokens, r.timed_seconds) == (2, 6, 2.0)
+    ct = r.cost_terms
+    assert (ct.route_ahead_coverage, ct.wasted_prefetch_bytes, ct.exposed_fetch_seconds) == (
+        0.875,
+        4_000_000,
+        0.25,
+    )
+    assert (
+        ct.measured_h2d_bytes_per_second is None and ct.h2d_bandwidth_source is None and ct.h2d_link is None
+    )
+    assert r.telemetry is None and r.timings == {"timed_seconds": 2.0}
+    e = r.engine
+    assert e["name"] == "moe_infinity"
+    assert e["configuration"] == {
+        "route_ahead": True,
+        "verify_budgets": {},
+        "serving_path": "spec_sessions",
+        "max_batch_size": 2,
+        "block_size": 4,
+    }
+    assert (e["observed_max_in_flight"], e["serving_steps"]) == (2, 4)
+    assert e["metric_sources"] == {
+        "route_ahead_prefetch_coverage": "RouteAheadStats.coverage",
+        "wasted_prefetch_bytes": "RouteAheadStats.wasted_prefetch_bytes",
+        "expert_cache_hit_rate": "engine.expert_cache_hit_rate",
+        "expert_occupancy_bytes": "engine.expert_occupancy_bytes (peak over serving steps)",
+        "kv_occupancy_bytes": "speculative sessions' private target caches: peak of their summed "
+        "get_seq_length() x KV bytes per token",
+    }
+    assert e["route_ahead_bindings"] == {"bound": 3, "withheld": 0}
+    assert e["mean_verify_demand_bytes"] == 2000
+    assert e["speculative_sessions"] == {"opened": 2, "route_recorders_teed": 2}
+    assert e["peak_speculative_sessions"] == 2 and e["paged_kv_prompt_only_peak_bytes"] == 4096
+    assert e["model_runner"] == {"executions": 5, "rows": 12, "rows_per_emitted_token": 2.0}
+    assert "route_ahead_observer" not in e
+
+
+def test_a_route_ahead_off_row_keeps_what_the_observer_saw_as_a_fact_not_as_its_statistics():
+    seen = {
+        **ROUTE,
+        "predicted_experts": 0,
+        "covered_experts": 0,
+        "coverage": 0.0,
+        "wasted_prefetch_bytes": 0,
+    }
+    native = {**GETTERS, "wasted_prefetch_bytes": "expert_prefetcher.archer_engine.get_wasted_prefetch_bytes"}
+    obs = ours_observation(stats=seen, native_getters=native, wasted_after=2000.0)
+    r = assemble(B1, obs, baseline="B1")
+    assert r.route_ahead is None and r.engine["route_ahead_observer"] == seen
+    assert r.status.value == "PARTIAL" and r.route_ahead_prefetch_coverage is None
+    assert r.wasted_prefetch_bytes == 2000 and r.cost_terms.wasted_prefetch_bytes == 2000
+    assert m.ABSENT["route_ahead_prefetch_coverage"] in r.warnings
+
+
+def test_fewer_requests_in_flight_than_the_concurrency_is_flagged():
+    back_to_back = [trace("x", 0, [(0, 0.25), (1, 0.5)], 2), trace("y", 0, [(2, 0.75), (3, 1.0)], 2)]
+    obs = ours_observation(run=ClientRun(back_to_back, steps=4, elapsed=2.0))
+    obs.loop.peak_speculative_sessions = None  # nothing to refuse on: the warning is what remains
+    r = assemble(OURS, obs)
+    assert r.engine["observed_max_in_flight"] == 1
+    assert (
+        "concurrency 2 requested, but at most 1 requests were observed in flight (between their first and last "
+        "token)"
+    ) in r.warnings
+    # c=1 with one request in flight at a time is what was asked: no warning.
+    assert not [w for w in assemble(OURS, obs, concurrency=1).warnings if w.startswith("concurrency")]
