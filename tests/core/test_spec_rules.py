@@ -58,10 +58,7 @@ def test_cells_come_in_a_fixed_order_with_what_each_measures():
     for c in cells:
         assert c.offloaded == (c.baseline in OFFLOADED_BASELINES)
         assert c.memory_ratio == (0.85 if c.offloaded else 0.98)
-        assert (
-            c.speculative == (c.baseline in ("B1", "B2", "B3", "OURS") and c.baseline not in ("B0",))
-            or c.baseline == "B3"
-        )
+        assert c.speculative == (c.baseline in SPECULATIVE_BASELINES)
     assert len({c.cell_id for c in cells}) == len(cells) and all(len(c.cell_id) == 16 for c in cells)
     assert list(iter_cells(spec)) == cells
 
