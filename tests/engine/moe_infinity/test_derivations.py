@@ -549,3 +549,88 @@ def test_fewer_requests_in_flight_than_the_concurrency_is_flagged():
     ) in r.warnings
     # c=1 with one request in flight at a time is what was asked: no warning.
     assert not [w for w in assemble(OURS, obs, concurrency=1).warnings if w.startswith("concurrency")]
+
+
+# -- every accessor MoE-Infinity builds may have, one at a time ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reader", "holder", "name"),
+    [
+        (m.hit_rate, "engine", "expert_cache_hit_rate"),
+        (m.hit_rate, "expert_prefetcher", "get_hit_rate"),
+        (m.hit_rate, "expert_prefetcher", "hit_rate"),
+        (m.hit_rate, "expert_prefetcher", "expert_hit_rate"),
+        (m.hit_rate, "engine", "get_hit_rate"),
+        (m.hit_rate, "engine", "hit_rate"),
+        (m.expert_occupancy_bytes, "engine", "expert_occupancy_bytes"),
+        (m.expert_occupancy_bytes, "engine", "get_expert_occupancy_bytes"),
+        (m.expert_occupancy_bytes, "expert_prefetcher", "expert_occupancy_bytes"),
+        (m.native_kv_occupancy_bytes, "engine", "kv_occupancy_bytes"),
+        (m.native_kv_occupancy_bytes, "engine", "get_kv_occupancy_bytes"),
+        (m.native_wasted_prefetch_bytes, "expert_prefetcher", "wasted_prefetch_bytes"),
+        (m.exposed_fetch_seconds, "engine", "get_exposed_fetch_seconds"),
+    ],
+)
+def test_each_accessor_is_read_and_named(reader, holder, name):
+    prefetcher = SimpleNamespace()
+    engine = SimpleNamespace(expert_prefetcher=prefetcher)
+    setattr(engine if holder == "engine" else prefetcher, name, lambda: 0.25)
+    assert reader(engine) == (0.25, f"{holder}.{name}")
+    assert reader(SimpleNamespace(expert_prefetcher=SimpleNamespace())) == (None, None)
+
+
+def test_accessors_are_tried_in_order():
+    prefetcher = SimpleNamespace(get_hit_rate=0.5, hit_rate=0.75)
+    engine = SimpleNamespace(expert_prefetcher=prefetcher, expert_cache_hit_rate=float("inf"), hit_rate=0.875)
+    assert m.hit_rate(engine) == (0.5, "expert_prefetcher.get_hit_rate")  # inf is no reading: the next one
+    assert m.hit_rate(None) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("metric", "holder", "name"),
+    [
+        ("expert_cache_hit_rate", "expert_dispatcher", "get_cache_hit_rate"),
+        ("expert_cache_hit_rate", "archer_engine", "get_hit_rate"),
+        ("expert_occupancy_bytes", "expert_dispatcher", "get_cache_occupancy_bytes"),
+        ("expert_occupancy_bytes", "archer_engine", "get_expert_occupancy_bytes"),
+        ("wasted_prefetch_bytes", "archer_engine", "get_wasted_prefetch_bytes"),
+    ],
+)
+def test_the_native_getter_behind_each_wrapper_is_found(metric, holder, name):
+    prefetcher = SimpleNamespace(**{holder: SimpleNamespace(**{name: lambda: 1.0})})
+    assert (
+        m.native_getter(SimpleNamespace(expert_prefetcher=prefetcher), metric)
+        == f"expert_prefetcher.{holder}.{name}"
+    )
+    not_callable = SimpleNamespace(**{holder: SimpleNamespace(**{name: 1.0})})
+    assert m.native_getter(SimpleNamespace(expert_prefetcher=not_callable), metric) is None
+    assert m.native_getter(SimpleNamespace(), metric) is None
+
+
+def test_why_a_zero_is_not_a_reading():
+    assert m.vet_zero("x", 0.5, None, None) is None and m.vet_zero("x", None, None, None) is None
+    assert m.vet_zero("x", 0.0, None, None) == (
+        "x absent: MoE-Infinity's accessor returned 0.0 with no native getter behind it (its wrappers return 0.0 "
+        "when the native getter is missing or raises)"
+    )
+    assert m.vet_zero("x", 0.0, "g.h", "because y") == "x absent: g.h read 0.0, implausible because y"
+    assert m.vet_zero("x", 0.0, "g.h", None) is None
+
+
+def test_call_if_present_calls_only_a_whole_path():
+    calls = []
+    obj = SimpleNamespace(a=SimpleNamespace(b=SimpleNamespace(c=lambda: calls.append("c"))))
+    assert m.call_if_present(obj, "a", "b", "c") is True and calls == ["c"]
+    assert m.call_if_present(obj, "a", "x", "c") is False
+    assert m.call_if_present(obj, "a", "b") is False  # not callable
+    assert m.call_if_present(SimpleNamespace(f=lambda: calls.append("f")), "f") is True and calls == [
+        "c",
+        "f",
+    ]
+
+
+def test_a_trace_becomes_the_shared_request_timing():
+    t = TRACES[0].timing()
+    assert (t.admitted, t.first_token, t.finished, t.tokens) == (0.0, 0.25, 1.0, 4)
+    assert RequestTrace("z", 1.0).chunk_gaps() == [] and RequestTrace("z", 1.0).timing().ttft is None
