@@ -29,9 +29,15 @@ METRICS = dict.fromkeys(REQUIRED_METRICS, 1.0)
 IDENT = {"model": "m", "baseline": "B1", "block_size": 4, "concurrency": 1}
 
 
+def exactly(text: str) -> str:
+    """A pattern matching ``text`` and nothing around it (pytest.raises(match=...) searches)."""
+    return f"^{re.escape(text)}$"
+
+
 def fails(message: str, **data):
-    with pytest.raises(ValidationError, match=re.escape(message)):
+    with pytest.raises(ValidationError) as err:
         Row.model_validate({**IDENT, **data})
+    assert [e["msg"] for e in err.value.errors()] == [f"Value error, {message}"]
 
 
 def test_statuses_fall_into_their_groups():
@@ -59,7 +65,7 @@ def test_statuses_fall_into_their_groups():
     ],
 )
 def test_a_number_is_checked_and_named(value, upper, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ValueError, match=exactly(message)):
         check_number("x", value, upper=upper)
 
 

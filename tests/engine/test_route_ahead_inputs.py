@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +13,11 @@ import torch
 from pd_dflash.engine.route_ahead import routed_rows
 
 ROWS = (frozenset({0, 2}), frozenset({1}))
+
+
+def exactly(text: str) -> str:
+    """A pattern matching ``text`` and nothing around it (pytest.raises(match=...) searches)."""
+    return f"^{re.escape(text)}$"
 
 
 class DimOnly:
@@ -50,7 +56,7 @@ def test_every_accepted_form_gives_the_same_rows(routed):
 def test_a_float_tensor_needs_an_explicit_kind():
     f = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
     message = "routed is a float tensor: pass kind='mask' for a [tokens, experts] mask or kind='ids'"
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ValueError, match=exactly(message)):
         routed_rows(f)
     assert routed_rows(f, "mask") == ROWS
     assert routed_rows(torch.tensor([[0.0, 2.0], [1.0, 1.0]]), "ids") == ROWS
@@ -79,9 +85,13 @@ def test_a_float_tensor_needs_an_explicit_kind():
         (
             [[0], 3],
             "auto",
-            "routed must be 2-D: row 1 is a int, not a sequence (a 1-D mask or a flat id list",
+            "routed must be 2-D: row 1 is a int, not a sequence (a 1-D mask or a flat id list is not accepted)",
         ),
-        ([[0], "ab"], "auto", "routed must be 2-D: row 1 is a str, not a sequence"),
+        (
+            [[0], "ab"],
+            "auto",
+            "routed must be 2-D: row 1 is a str, not a sequence (a 1-D mask or a flat id list is not accepted)",
+        ),
         ([[True, 1]], "auto", "routed mixes bools and ids; pass kind='mask' or kind='ids'"),
         ([[True], [False, True]], "mask", "router mask must be 2-D and rectangular, got row widths [1, 2]"),
         ([[[True]], [[False]]], "mask", "router mask must be 2-D, got a deeper nesting"),
@@ -93,8 +103,16 @@ def test_a_float_tensor_needs_an_explicit_kind():
     ],
 )
 def test_rejected_inputs_name_the_problem(routed, kind, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ValueError, match=exactly(message)):
         routed_rows(routed, kind)
+
+
+def test_a_tensor_like_without_a_dimension_count_is_refused():
+    shapeless = SimpleNamespace(dtype="torch.int64", tolist=lambda: [[0, 2], [1, 1]])  # no ndim, no dim()
+    with pytest.raises(
+        ValueError, match=exactly("routed expert ids must be 2-D [tokens, top_k], got None-D")
+    ):
+        routed_rows(shapeless)
 
 
 def test_an_empty_routing_has_no_rows_and_empty_rows_route_nothing():
@@ -140,5 +158,5 @@ def test_commit_step_needs_exactly_one_of_rows_or_spans():
     from pd_dflash.engine.route_ahead import RouteAheadStats
 
     message = "commit_step needs exactly one of kept_rows or kept_spans"
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ValueError, match=exactly(message)):
         RouteAheadStats().commit_step()
