@@ -71,3 +71,62 @@ def test_the_current_rows_of_a_directory_ignore_a_torn_last_line(tmp_path):
     (tmp_path / "rows.jsonl").write_bytes(encode_row(row(0)) + b'{"model": "m')
     assert [r.repeat for r in current_rows_of(tmp_path)] == [0]
     assert current_rows_of(tmp_path / "nowhere") == []
+
+
+# -- what counts as a complete last row --------------------------------------------------------------------------
+
+
+def nested(depth: int) -> bytes:
+    """A JSON object nesting ``depth`` levels (depth 1 = a flat object): an object around depth - 1 lists."""
+    return b'{"a":' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+
+
+def test_a_complete_last_line_is_an_object_no_deeper_than_the_limit(tmp_path):
+    from pd_dflash.safe_load import MAX_DEPTH
+
+    cases = {b"[1, 2]": "torn", nested(MAX_DEPTH): "newline", nested(MAX_DEPTH + 1): "torn"}
+    for i, (last, kind) in enumerate(cases.items()):
+        path = tmp_path / f"rows{i}.jsonl"
+        path.write_bytes(encode_row(row(0)) + last)
+        assert repair_tail(path).kind == kind, (last[:20], kind)
+
+
+def test_the_last_line_after_several_and_at_the_very_start(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"ab\ncd\nef\n\ngh")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert _line_before(fd, 12) == (10, b"gh")
+        assert _line_before(fd, 9, 4) == (9, b"")
+    finally:
+        os.close(fd)
+    path.write_bytes(b"\ncd")  # the newline is the first byte of the file
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert _line_before(fd, 3, 3) == (1, b"cd")
+    finally:
+        os.close(fd)
+
+
+def test_a_failed_roll_back_says_both_failures_and_how_to_repair(tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(encode_row(row(0)))
+    size = path.stat().st_size
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def broken(fd, length):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "write", full)
+    monkeypatch.setattr(os, "ftruncate", broken)
+    with pytest.raises(OSError) as err:
+        append_json(path, {"event": "x"})
+    assert str(err.value) == (
+        f"appending a row to {path} failed ([Errno 28] No space left on device) and truncating back to offset "
+        f"{size} failed too ([Errno 5] Input/output error); `pd-dflash run --resume` repairs the file"
+    )
+    assert isinstance(err.value.__cause__, OSError) and err.value.__cause__.errno == errno.ENOSPC

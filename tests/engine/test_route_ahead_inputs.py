@@ -160,3 +160,28 @@ def test_commit_step_needs_exactly_one_of_rows_or_spans():
     message = "commit_step needs exactly one of kept_rows or kept_spans"
     with pytest.raises(ValueError, match=exactly(message)):
         RouteAheadStats().commit_step()
+
+
+def test_fresh_statistics_are_zero_with_no_bytes_and_need_no_begin_step():
+    from pd_dflash.engine.route_ahead import RouteAheadStats
+
+    fresh = RouteAheadStats().as_dict()
+    assert fresh == {
+        "steps": 0,
+        "layers_observed": 0,
+        "predicted_experts": 0,
+        "actual_experts": 0,
+        "covered_experts": 0,
+        "kept_experts": 0,
+        "wasted_experts": 0,
+        "coverage": 1.0,
+        "waste_ratio": 0.0,
+        "predicted_prefetch_bytes": None,
+        "kept_prefetch_bytes": None,
+        "wasted_prefetch_bytes": None,
+    }
+    stats = RouteAheadStats()
+    stats.observe_layer(
+        0, torch.tensor([1]), torch.tensor([[0.0, 1.0]]), kind="mask"
+    )  # the kind is passed on
+    assert stats.commit_step(1).covered == 1 and stats.steps == 1

@@ -160,3 +160,74 @@ def test_matrices_are_rewritten_from_the_current_rows(tmp_path, spec):
     assert {"result_matrix.csv", "result_matrix.md", "verdict.json"} <= {p.name for p in tmp_path.iterdir()}
     assert record(tmp_path)["counts"] == {"OK": 2, "stored": 2, "total": 12}
     store.close()
+
+
+def test_restarts_in_the_same_second_archive_side_by_side_in_utc(tmp_path, spec, monkeypatch):
+    import time
+    from datetime import datetime, timezone
+
+    monkeypatch.setenv("TZ", "Asia/Kolkata")  # UTC+05:30: a local-time stamp would be off by hours
+    time.tzset()
+    monkeypatch.setattr(time, "gmtime", lambda *a: time.struct_time((2026, 1, 2, 3, 4, 5, 4, 2, 0)))
+    try:
+        for _ in range(3):
+            store = SweepStore(tmp_path, spec, Mode.RESTART)
+            store.open()
+            store.add(ok_row(expand(spec)[0]))
+            store.close()
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    names = sorted(p.name for p in (tmp_path / ARCHIVE_DIR).iterdir())
+    assert names == ["20260102T030405Z", "20260102T030405Z-2"]
+    assert datetime.strptime(names[0], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc).year == 2026
+
+
+def test_a_failed_event_write_names_the_events_file(tmp_path, spec, monkeypatch):
+    import errno
+    import os
+
+    from pd_dflash.sweep.store import StorageError
+
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    store.open()
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(StorageError) as err:
+        store.add_event({"event": "x"})
+    monkeypatch.undo()
+    assert str(err.value) == f"cannot write {tmp_path / 'events.jsonl'}: No space left on device (errno 28)"
+    store.close()
+
+
+def test_error_files_are_private_and_keep_the_text_as_given(tmp_path, spec):
+    import os
+    import stat
+
+    cell = expand(spec)[0]
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    store.open()
+    store.add(failed_row(cell), "line one  \nends with X\n\n")
+    store.close()
+    umask = os.umask(0)
+    os.umask(umask)
+    path = tmp_path / "errors" / f"{cell.cell_id}.txt"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640 & ~umask
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o750 & ~umask
+    assert path.read_text().endswith("reason: boom\nline one  \nends with X\n\n")  # only trailing newlines go
+
+
+def test_matrices_are_written_without_plots_unless_asked(tmp_path, spec):
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    store.open()
+    store.add(ok_row(expand(spec)[0]))
+    store.write_matrices()
+    assert not (tmp_path / "plots").exists()
+    store.write_matrices(plots=True)
+    assert sorted(p.suffix for p in (tmp_path / "plots").iterdir()) and all(
+        p.suffix == ".png" for p in (tmp_path / "plots").iterdir()
+    )
+    store.close()

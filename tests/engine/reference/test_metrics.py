@@ -495,6 +495,8 @@ def test_engine_facts_carry_the_batch_the_cache_and_a_digest_of_the_outputs():
 
 
 def test_means_over_one_round_and_a_long_occupancy_series():
+    one = metrics.expert_cache_facts(runtime(needed_per_round=[6], occupancy_per_round=[6000]), 2.0)
+    assert one["needed_experts_per_round_mean"] == 6 and one["occupancy_bytes_mean"] == 6000
     facts = metrics.expert_cache_facts(
         runtime(needed_per_round=[6], occupancy_per_round=list(range(100))), 2.0
     )
