@@ -130,3 +130,135 @@ def test_a_failed_roll_back_says_both_failures_and_how_to_repair(tmp_path, monke
         f"{size} failed too ([Errno 5] Input/output error); `pd-dflash run --resume` repairs the file"
     )
     assert isinstance(err.value.__cause__, OSError) and err.value.__cause__.errno == errno.ENOSPC
+
+
+# -- reading: places in messages, whole-JSON files, torn lines -------------------------------------------------
+
+
+def test_a_torn_last_line_keeps_its_text_without_the_newline(tmp_path):
+    from pd_dflash.rows import read_rows
+
+    path = tmp_path / "rows.jsonl"
+    first = encode_row(row(0))
+    path.write_bytes(first + b'{"model": "m\xff  \n\n')  # cut short, with a byte that is not UTF-8
+    rows, torn = read_rows(path, tolerate_torn_tail=True)
+    assert [r.repeat for r in rows] == [0]
+    assert torn.offset == len(first) and torn.text == '{"model": "m\ufffd  '
+    with pytest.raises(InputError) as err:
+        read_rows(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}:2: not UTF-8 text (byte 0xff at offset 12)")
+    assert message.endswith(" (torn last line: a write cut by a crash; `pd-dflash run --resume` repairs it)")
+
+
+def test_a_bad_line_in_the_middle_is_named_by_its_line(tmp_path):
+    from pd_dflash.rows import read_rows
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(encode_row(row(0)) + b"\xfe\n" + encode_row(row(1)))
+    with pytest.raises(InputError) as err:
+        read_rows(path, tolerate_torn_tail=True)
+    assert str(err.value) == f"{path}:2: not UTF-8 text (byte 0xfe at offset 0)"
+
+
+def test_whole_json_files_indented_listed_or_single_with_their_places(tmp_path):
+    import json as _json
+
+    from pd_dflash.rows import iter_rows
+
+    listed = tmp_path / "rows.json"
+    listed.write_text("\n  " + _json.dumps([row(0).to_json_dict(), row(1).to_json_dict()], indent=2))
+    got = list(iter_rows(listed))
+    assert [(r.repeat, s.path, s.label, s.offset) for r, s in got] == [
+        (0, listed, f"{listed}[0]", None),
+        (1, listed, f"{listed}[1]", None),
+    ]
+    single = tmp_path / "row.json"
+    single.write_text(_json.dumps(row(2).to_json_dict(), indent=2))
+    ((only, source),) = list(iter_rows(single))
+    assert only.repeat == 2 and (source.path, source.label) == (single, str(single))
+    bad = tmp_path / "bad.json"
+    bad.write_text(
+        _json.dumps([row(0).to_json_dict(), {**row(1).to_json_dict(), "ttft_seconds": -1}], indent=1)
+    )
+    with pytest.raises(InputError) as err:
+        list(iter_rows(bad))
+    assert str(err.value).startswith(f"{bad}[1]: ")
+    bad_single = tmp_path / "bad_single.json"
+    bad_single.write_text(_json.dumps({**row(0).to_json_dict(), "ttft_seconds": -1}, indent=1))
+    with pytest.raises(InputError) as err:
+        list(iter_rows(bad_single))
+    assert str(err.value).startswith(f"{bad_single}: ") and "ttft_seconds" in str(err.value)
+
+
+def test_nan_in_a_free_form_field_is_refused_naming_the_file(tmp_path):
+    from pd_dflash.rows import iter_rows
+
+    text = encode_row(row(0)).decode().rstrip("\n")
+    whole = tmp_path / "rows.json"
+    whole.write_text("[" + text[:-1] + ', "engine": {"x": NaN}}]')
+    with pytest.raises(InputError) as err:
+        list(iter_rows(whole))
+    assert str(err.value) == f"{whole}: NaN in a free-form field: JSON has no such number"
+    lines = tmp_path / "rows.jsonl"
+    lines.write_text(text[:-1] + ', "engine": {"x": Infinity}}\n')
+    with pytest.raises(InputError) as err:
+        list(iter_rows(lines))
+    assert str(err.value) == f"{lines}:1: Infinity in a free-form field: JSON has no such number"
+
+
+def test_a_file_starting_with_whitespace_or_a_foreign_byte(tmp_path):
+    from pd_dflash.rows import iter_rows
+
+    spaced = tmp_path / "rows.json"
+    spaced.write_text("  \n\t" + json.dumps([row(0).to_json_dict()], indent=2))
+    assert [r.repeat for r, _ in iter_rows(spaced)] == [0]
+    foreign = tmp_path / "rows.bin"
+    foreign.write_bytes(b"\xff\xfe[]")
+    with pytest.raises(InputError) as err:
+        list(iter_rows(foreign))
+    assert str(err.value).startswith(f"{foreign}:1: not UTF-8 text (byte 0xff at offset 0)")
+
+
+def test_an_unreadable_whole_json_file_says_why(tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    from pd_dflash.rows import iter_rows
+
+    path = tmp_path / "rows.json"
+    path.write_text("[]")
+
+    def failing(self):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(Path, "read_bytes", failing)
+    with pytest.raises(InputError) as err:
+        list(iter_rows(path))
+    assert str(err.value) == f"{path}: cannot read rows: Input/output error"
+
+
+def test_a_stored_line_is_read_back_as_it_is(tmp_path):
+    from pd_dflash.rows import RowSource, read_line_at
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"a": 1}  \r\n\xff\n')
+    assert read_line_at(RowSource(path, "rows.jsonl:1", 0)) == '{"a": 1}  '
+    with pytest.raises(InputError) as err:
+        read_line_at(RowSource(path, "rows.jsonl:2", 12))
+    assert str(err.value) == "rows.jsonl:2: not UTF-8 text (byte 0xff at offset 0)"
+    with pytest.raises(ValueError, match=r"^rows\.json\[0\] has no offset \(not a JSON lines row\)$"):
+        read_line_at(RowSource(path, "rows.json[0]"))
+
+
+def test_an_append_onto_a_torn_line_names_the_file_and_the_offset(tmp_path):
+    from pd_dflash.rows import UnsafeAppend, append_row
+
+    path = tmp_path / "rows.jsonl"
+    first = encode_row(row(0))
+    path.write_bytes(first + b'{"mod')
+    with pytest.raises(UnsafeAppend) as err:
+        append_row(path, row(1))
+    assert str(err.value) == (
+        f"{path} ends with an incomplete line at offset {len(first)}: run `pd-dflash run --resume` to repair it"
+    )

@@ -163,6 +163,8 @@ def test_matrices_are_rewritten_from_the_current_rows(tmp_path, spec):
 
 
 def test_restarts_in_the_same_second_archive_side_by_side_in_utc(tmp_path, spec, monkeypatch):
+    import os
+    import stat
     import time
     from datetime import datetime, timezone
 
@@ -180,6 +182,9 @@ def test_restarts_in_the_same_second_archive_side_by_side_in_utc(tmp_path, spec,
         time.tzset()
     names = sorted(p.name for p in (tmp_path / ARCHIVE_DIR).iterdir())
     assert names == ["20260102T030405Z", "20260102T030405Z-2"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / ARCHIVE_DIR / names[1]).stat().st_mode) == 0o750 & ~umask
     assert datetime.strptime(names[0], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc).year == 2026
 
 
@@ -231,3 +236,130 @@ def test_matrices_are_written_without_plots_unless_asked(tmp_path, spec):
         p.suffix == ".png" for p in (tmp_path / "plots").iterdir()
     )
     store.close()
+
+
+def test_the_sweep_record_is_indented_json_in_insertion_order(tmp_path, spec):
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    store.open(run_info={"cluster": None})
+    text = (tmp_path / "sweep.json").read_text()
+    rec = json.loads(text)
+    assert text == json.dumps(rec, indent=2) + "\n"
+    assert list(rec) == [
+        "name", "fingerprint", "cells", "spec", "created_at", "updated_at", "runs", "cluster", "out_of_rotation",
+        "counts",
+    ]  # fmt: skip
+    store.close()
+
+
+def test_collector_restarts_are_counted_and_a_minimal_record_is_completed(tmp_path, spec):
+    (tmp_path / "sweep.json").write_text(json.dumps({"fingerprint": spec.fingerprint()}))
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    store.open()  # a record without created_at or runs (an older or hand-made one)
+    store.close()
+    rec = record(tmp_path)
+    assert STAMP.match(rec["created_at"]) and [r["mode"] for r in rec["runs"]] == ["resume"]
+    for restarts in (1, 2):
+        again = SweepStore(tmp_path, spec, Mode.RESUME)
+        again.open(new_run=False)
+        again.close()
+        assert (
+            record(tmp_path)["runs"][-1]["collector_restarts"] == restarts
+            and len(record(tmp_path)["runs"]) == 1
+        )
+
+
+def test_a_changed_spec_gets_a_new_creation_time(tmp_path, spec):
+    import time
+
+    first = SweepStore(tmp_path, spec, Mode.RESUME)
+    first.open()
+    first.close()
+    created = record(tmp_path)["created_at"]
+    time.sleep(0.002)
+    changed = SweepStore(tmp_path, make_spec(concurrency=[1, 2, 4]), Mode.RESUME)  # no rows: accepted
+    changed.open()
+    changed.close()
+    assert record(tmp_path)["created_at"] != created
+
+
+def test_an_unopened_store_holds_nothing_and_closing_twice_is_harmless(tmp_path, spec):
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    assert store.stored() == {} and store.current() == [] and store.counts() == {"stored": 0, "total": 12}
+    store.close()
+    opened = store.open()
+    assert (
+        opened["archived"] is None
+        and opened["torn_tail_moved_to"] is None
+        and opened["removed_stale_files"] == []
+    )
+    store.close()
+    store.close()
+
+
+def test_the_lock_file_is_private_and_a_held_lock_names_the_directory(tmp_path, spec):
+    import os
+    import stat
+
+    from pd_dflash.errors import InputError
+
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    store.open()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / ".lock").stat().st_mode) == 0o600 & ~umask
+    assert (tmp_path / ".lock").read_text() == f"{os.getpid()}\n"
+    with pytest.raises(InputError) as err:
+        SweepStore(tmp_path, spec, Mode.RESUME).open()
+    assert (
+        str(err.value)
+        == f"{tmp_path}: another pd-dflash run is writing this results directory (its lock is held)"
+    )
+    store.close()
+
+
+def test_restarting_a_directory_that_holds_only_archives_archives_nothing(tmp_path, spec):
+    (tmp_path / ARCHIVE_DIR / "old").mkdir(parents=True)
+    store = SweepStore(tmp_path, spec, Mode.RESTART)
+    opened = store.open()
+    store.close()
+    assert opened["archived"] is None and [p.name for p in (tmp_path / ARCHIVE_DIR).iterdir()] == ["old"]
+
+
+def test_a_reopened_store_still_knows_which_attempts_it_holds(tmp_path, spec):
+    cell = expand(spec)[0]
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    store.open()
+    assert store.add(failed_row(cell, attempt=3)) and store.add(failed_row(cell, attempt=2))
+    assert store.stored()[cell.cell_id].attempt == 3  # the highest attempt, not the last one stored
+    store.close()
+    again = SweepStore(tmp_path, spec, Mode.RESUME)
+    again.open()
+    assert again.add(failed_row(cell, attempt=2)) is False  # the same attempt again: a duplicate
+    assert again.add(failed_row(cell, attempt=4)) is True and again.stored()[cell.cell_id].attempt == 4
+    again.close()
+
+
+def test_a_record_that_cannot_be_written_breaks_the_store_but_closing_still_releases_it(
+    tmp_path, spec, monkeypatch
+):
+    import errno
+    import os
+
+    from pd_dflash.sweep.store import StorageError
+
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    store.open()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)  # the atomic rewrite's fsync fails
+    with pytest.raises(StorageError) as err:
+        store.update_run({"outcome": "x"})
+    assert str(err.value) == f"cannot write {tmp_path / 'sweep.json'}: No space left on device (errno 28)"
+    monkeypatch.undo()
+    store.broken = None  # as if the failure had come at the last flush: close must not raise
+    monkeypatch.setattr(os, "fsync", full)
+    store.close()
+    monkeypatch.undo()
+    SweepStore(tmp_path, spec, Mode.RESUME).open()  # the lock was released
