@@ -247,3 +247,20 @@ def test_json_is_written_as_upstream_does_and_never_with_nan():
     assert json.loads(dumps({"x": None})) == {"x": None}
     with pytest.raises(ValueError):
         dumps({"x": float("nan")})
+
+
+def test_several_allowances_and_warnings_are_joined_and_scaled_intervals_stay_in_their_unit():
+    s = spec(repeats=2)
+    rows = rows_of(
+        s,
+        OURS={"ttft_seconds": lambda r: [0.2, 0.3][r], "warnings": ["w1", "w2"]},
+    )
+    gates = Gates(allow_blocked=["B2", "B3"], allow_unmeasured=["ttft_seconds", "goodput_at_slo"])
+    matrix, details, summary = scenario(gates, s=s, rows=rows)
+    lines = matrix_markdown(matrix, details, summary, gates).splitlines()
+    assert lines[5].endswith("allowed blocked: B2, B3, allowed unmeasured: ttft_seconds, goodput_at_slo")
+    ttft = lines.index("### TTFT (mean over requests) (ms)")
+    # 0.25 s ± t(0.975, 1) · std / √2 = ± 0.635 s, clipped below at 0: [0, 0.885] s, half-width 0.4425 s = 442 ms
+    assert lines[ttft + 4] == "| 8 | 1 | 250 ± 0 | 250 ± 0 | 250 ± 0 | 250 ± 4.4e+02 |"
+    ours = next(r for r in csv.DictReader(io.StringIO(matrix_csv(matrix))) if r["baseline"] == "OURS")
+    assert ours["warnings"] == "w1; w2"

@@ -118,3 +118,27 @@ def test_build_report_and_write_outputs_give_the_same_files(tmp_path):
     assert incomplete["complete"] is False and incomplete["exit_code"] == 1
     nothing, _ = build_report([], Gates())
     assert nothing["complete"] is False and nothing["exit_code"] == 1 and nothing["groups"] == {}
+
+
+def test_one_repeats_text_cost_terms_are_kept():
+    rows = with_cost_terms({"h2d_link": "emulated", "h2d_bytes": 3})
+    merged = aggregated_row(build_matrix(rows), KEY, "OURS")["cost_terms"]
+    assert merged == {"h2d_link": "emulated", "h2d_bytes": 3}
+
+
+def test_a_report_names_rows_by_the_sources_it_is_given():
+    rows = rows_of(spec())
+    failed = rows[1].model_copy(
+        update={
+            **dict.fromkeys(
+                ["output_tokens_per_second", "acceptance_length_a", "ttft_seconds", "per_round_latency_seconds",
+                 "goodput_at_slo", "expert_cache_hit_rate", "route_ahead_prefetch_coverage", "wasted_prefetch_bytes",
+                 "expert_occupancy_bytes", "kv_occupancy_bytes"]
+            ),
+            "status": Status.ERROR,
+            "reason": "boom",
+        }
+    )  # fmt: skip
+    sources = ["a.jsonl:1", *(f"b.jsonl:{i}" for i in range(1, len(rows) + 1))]
+    _, files = build_report([failed, *rows], Gates(), spec=spec(), sources=sources)
+    assert "- superseded failed row a.jsonl:1 by b.jsonl:2" in files["result_matrix.md"].splitlines()
