@@ -264,3 +264,31 @@ def test_several_allowances_and_warnings_are_joined_and_scaled_intervals_stay_in
     assert lines[ttft + 4] == "| 8 | 1 | 250 ± 0 | 250 ± 0 | 250 ± 0 | 250 ± 4.4e+02 |"
     ours = next(r for r in csv.DictReader(io.StringIO(matrix_csv(matrix))) if r["baseline"] == "OURS")
     assert ours["warnings"] == "w1; w2"
+
+
+def test_a_model_id_with_a_bar_keeps_its_groups():
+    s = spec(models=("org/m|v2",))
+    matrix, details, summary = scenario(s=s, rows=rows_of(s))
+    lines = matrix_markdown(matrix, details, summary, Gates()).splitlines()
+    assert "## org/m|v2" in lines and "| 8 | 1 | 20 | 30 | 70 | 45 |" in lines
+    assert "| 8 | 1 | pass | pass | pass | pass | pass | pass | pass |" in lines
+
+
+def test_blank_lines_only_where_there_is_something_to_separate():
+    s = spec()  # one block size: nothing shared; every gate passes: no notes
+    matrix, details, summary = scenario(s=s, rows=rows_of(s))
+    text = matrix_markdown(matrix, details, summary, Gates())
+    lines = text.splitlines()
+    model = lines.index("## m")
+    assert lines[model + 1 : model + 3] == ["", "### Output tokens/s (tok/s)"]
+    assert text.endswith("| 8 | 1 | pass | pass | pass | pass | pass | pass | pass |\n")
+
+
+@pytest.mark.parametrize(("b0", "cell"), [(0.0, ""), (0.5, "60"), (1.0, "30")])
+def test_speedup_cells_need_a_positive_b0(b0, cell):
+    s = spec()
+    rows = rows_of(s, B0={"output_tokens_per_second": b0, "goodput_at_slo": b0})
+    matrix, details, summary = scenario(s=s, rows=rows)
+    lines = matrix_markdown(matrix, details, summary, Gates()).splitlines()
+    speedups = lines.index("### Speedup over B0 (ratio of mean tokens/s) (x)")
+    assert lines[speedups + 4].split(" | ")[3] == cell  # B1's column: 30 tok/s over B0's
