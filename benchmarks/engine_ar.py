@@ -1,4 +1,5 @@
-"""B0 (offloaded, AR prefetcher) vs B3 (experts resident) on a mini preset, CPU, emulated link.
+"""B0 (AR, offloaded, AR prefetcher) vs B3 (speculative, every expert resident) on a mini preset, CPU, emulated
+link.
 
 Prints, per concurrency: tokens/s of B0 and B3 and their ratio, B0's expert-cache hit rate, exposed fetch
 fraction (time compute waited for a transfer / timed wall time) and the AR prefetcher's coverage (on the

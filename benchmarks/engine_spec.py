@@ -1,13 +1,17 @@
 """All five configurations (B0 B1 B2 B3 OURS) of the reference engine on a mini preset, CPU, emulated link.
 
-Prints per (B, c): tokens/s and its ratio to B0, τ (committed tokens per verify round), the prefetch coverage
-(AR prefetcher for B0-B3, route-ahead for OURS), wasted prefetch bytes, the exposed-fetch fraction and the hit
-rate, then whether the design's ordering B0 < B1 < OURS ≤ B3 holds in tokens/s. Everything runs through the
-Engine interface, exactly as a runner does; configurations of one (B, c, repeat) run back to back (a shared
-machine's load drifts over minutes) and the table shows medians over repeats.
+Prints per (B, c): tokens/s and its ratio to B0, τ (committed tokens per verify round), the two coverages
+(prediction recall and prefetched-in-time; AR prefetcher for B0-B3, route-ahead for OURS), wasted prefetch
+bytes, the hit rate, the exposed-fetch fraction, experts moved per generated token, OURS / B1 tokens/s, then
+whether the design's ordering B0 < B1 < OURS ≤ B3 holds in tokens/s. Everything runs through the Engine
+interface, exactly as a runner does; configurations of one (B, c, repeat) run back to back (a shared machine's
+load drifts over minutes) and the table shows medians over repeats. The defaults are the ``cpu_reference``
+setting (jobs/cpu_reference.yaml: mini-gpt-oss, cache 25 %, 0.05 GB/s + 10 us, 8 requests, auto new tokens).
 
-    .venv/bin/python benchmarks/engine_spec.py --preset mini-gpt-oss --gbps 0.05 --repeats 2
+    .venv/bin/python benchmarks/engine_spec.py --concurrency 1 --repeats 2 --width-ablation
     .venv/bin/python benchmarks/engine_spec.py --measure-proxy --preset mini-qwen3-coder
+
+``--width-ablation`` also runs OURS with the cost-aware verify width off (``OURS-full-width``).
 
 ``--measure-proxy`` measures the recall of candidate route-ahead proxies instead (docs/reference-engine.md
 "Route-ahead proxy"): for drafted blocks after greedy target rollouts, each candidate hidden state goes through
@@ -34,6 +38,7 @@ os.environ.setdefault("PD_DFLASH_CACHE", str(Path(__file__).resolve().parents[1]
 from engine_ar import engine_for  # this directory is on sys.path when run as a script
 
 BASELINES = ("B0", "B1", "B2", "B3", "OURS")
+FULL_WIDTH = "-full-width"
 
 
 def summarize(row) -> dict:
@@ -42,6 +47,8 @@ def summarize(row) -> dict:
         "tokens_per_second": row.output_tokens_per_second,
         "tau": row.acceptance_length_a,
         "coverage": row.route_ahead_prefetch_coverage,
+        "in_time_coverage": row.prefetched_in_time_coverage,
+        "experts_moved_per_token": ec["experts_moved_per_token"],
         "wasted_prefetch_bytes": row.wasted_prefetch_bytes,
         "hit_rate": row.expert_cache_hit_rate,
         "exposed_fetch_fraction": ec["exposed_fetch_fraction"],
@@ -56,6 +63,7 @@ def summarize(row) -> dict:
         .get("any_compute"),
         "hidden": row.hide_inequality.hidden if row.hide_inequality else None,
         "digest": row.engine["output_digest"],
+        "max_new_tokens": row.max_new_tokens,
     }
 
 
@@ -65,12 +73,16 @@ def compare(args) -> dict:
 
     spec = bench_spec(args)
     start = time.perf_counter()
-    engine = engine_for(spec)
+    engines = {"": engine_for(spec)}
     load = time.perf_counter() - start
-    results, drafter = run_cells(engine, expand(spec), args)
-    facts = engine.describe()
-    engine.close()
-    table = [group_row(results, b, conc) for b in args.block_sizes for conc in args.concurrency]
+    if args.width_ablation:  # OURS again with every block verified whole: the cost-aware width off
+        engines[FULL_WIDTH] = engine_for(bench_spec(args, verify_width="full"))
+    results, drafter = run_cells(engines, expand(spec), args)
+    facts = engines[""].describe()
+    for engine in engines.values():
+        engine.close()
+    configs = [*BASELINES, *(["OURS" + FULL_WIDTH] if args.width_ablation else [])]
+    table = [group_row(results, b, conc, configs) for b in args.block_sizes for conc in args.concurrency]
     return {
         "preset": args.preset,
         "engine_load_seconds": load,
@@ -87,18 +99,19 @@ def compare(args) -> dict:
     }
 
 
-def bench_spec(args):
+def bench_spec(args, **overrides):
     from pd_dflash.spec import parse_spec
 
     options = {
         "emulated_h2d_gbps": args.gbps,
         "emulated_latency_us": args.latency_us,
         "drafter": args.drafter,
-        "cross_round_prefetch": args.cross_round,
+        "route_ahead_history": not args.no_history,
     }
     for item in args.option:
         key, _, value = item.partition("=")
         options[key] = json.loads(value)
+    options.update(overrides)
     return parse_spec(
         {
             "name": "engine-spec-bench",
@@ -110,7 +123,7 @@ def bench_spec(args):
             "workload": {
                 "requests": args.requests,
                 "warmup_rounds": args.warmup,
-                "max_new_tokens": args.max_new,
+                "max_new_tokens": args.max_new if args.max_new == "auto" else int(args.max_new),
                 "prompt_tokens": args.prompt_tokens,
                 "temperature": args.temperature,
                 "seed": 1408,
@@ -121,30 +134,32 @@ def bench_spec(args):
     )
 
 
-def run_cells(engine, cells, args) -> tuple[dict[tuple, list[dict]], dict | None]:
-    """Summaries per (baseline, B, c), one per repeat, and the drafter's facts. B0/B3 are block-independent:
-    one cell per (c, repeat), shown in every B group."""
+def run_cells(engines: dict, cells, args) -> tuple[dict[tuple, list[dict]], dict | None]:
+    """Summaries per (configuration, B, c), one per repeat, and the drafter's facts. B0 is block-independent:
+    one cell per (c, repeat), shown in every B group. ``engines[FULL_WIDTH]``, when present, runs OURS again as
+    the configuration ``OURS-full-width``."""
     from pd_dflash.schema import Row
 
     by_key = {(c.baseline, c.block_size, c.concurrency, c.repeat): c for c in cells}
     smallest = min(args.block_sizes)
     results: dict[tuple, list[dict]] = {}
     drafter = None
+    runs = [(b, b, "") for b in BASELINES] + (
+        [("OURS", "OURS" + FULL_WIDTH, FULL_WIDTH)] if FULL_WIDTH in engines else []
+    )
     for rep in range(args.repeats):
         for b in args.block_sizes:
             for conc in args.concurrency:
-                for baseline in BASELINES:
-                    if b != smallest and baseline in ("B0", "B3"):
-                        results.setdefault((baseline, b, conc), []).append(
-                            results[(baseline, smallest, conc)][rep]
-                        )
+                for baseline, name, which in runs:
+                    if b != smallest and baseline == "B0":
+                        results.setdefault((name, b, conc), []).append(results[(name, smallest, conc)][rep])
                         continue
                     cell = by_key[(baseline, b, conc, rep)]
                     t0 = time.perf_counter()
-                    row = Row.from_result(cell, engine.run_cell(cell))
+                    row = Row.from_result(cell, engines[which].run_cell(cell))
                     summary = {**summarize(row), "cell_seconds": time.perf_counter() - t0}
                     drafter = drafter or row.engine.get("drafter")
-                    results.setdefault((baseline, b, conc), []).append(summary)
+                    results.setdefault((name, b, conc), []).append(summary)
     return results, drafter
 
 
@@ -162,22 +177,28 @@ def median_summary(summaries: list[dict]) -> dict:
     }
 
 
-def group_row(results: dict[tuple, list[dict]], b: int, conc: int) -> dict:
-    """One (B, c) group: every configuration's medians, tokens/s over B0 and the design's ordering."""
-    med = {baseline: median_summary(results[(baseline, b, conc)]) for baseline in BASELINES}
-    tps = {baseline: med[baseline]["tokens_per_second"] for baseline in BASELINES}
+def group_row(results: dict[tuple, list[dict]], b: int, conc: int, configs=BASELINES) -> dict:
+    """One (B, c) group: every configuration's medians, tokens/s over B0 and over B1, the design's ordering."""
+    med = {name: median_summary(results[(name, b, conc)]) for name in configs}
+    tps = {name: med[name]["tokens_per_second"] for name in configs}
     return {
         "block_size": b,
         "concurrency": conc,
         "configurations": med,
         "over_b0": {k: v / tps["B0"] for k, v in tps.items()},
+        "ours_over_b1": tps["OURS"] / tps["B1"],
+        "experts_moved_per_token_b1": med["B1"]["experts_moved_per_token"],
         "ordering_b0_lt_b1_lt_ours_le_b3": tps["B0"] < tps["B1"] < tps["OURS"] <= tps["B3"],
         "ordering_parts": {
             "B0<B1": tps["B0"] < tps["B1"],
             "B1<OURS": tps["B1"] < tps["OURS"],
             "OURS<=B3": tps["OURS"] <= tps["B3"],
         },
-        "same_tokens": len({med[x]["digest"] for x in BASELINES}) == 1,
+        # Configurations that generated the same number of tokens (B0's auto budget follows the largest B).
+        "same_tokens": len(
+            {med[x]["digest"] for x in configs if med[x]["max_new_tokens"] == med["B1"]["max_new_tokens"]}
+        )
+        == 1,
     }
 
 
@@ -187,21 +208,25 @@ def print_compare(cmp: dict) -> None:
         f"{cmp['cache_fraction']:.0%}, emulated link {cmp['emulated_h2d_gbps']} GB/s + {cmp['emulated_latency_us']} us, "
         f"drafter {cmp['drafter']['kind']}, medians over {cmp['repeats']} repeat(s)"
     )
-    header = "  B  c  conf   tok/s  /B0    tau  coverage  waste MB  hit    exposed  H2D KB/tok  req/fwd"
+    header = (
+        "  B  c  conf   tok/s  /B0    tau  recall  in-time  waste MB  hit    exposed  experts/tok  req/fwd"
+    )
     for group in cmp["table"]:
         print(header)
         for baseline, r in group["configurations"].items():
-            cov = "   -   " if r["coverage"] is None else f"{r['coverage']:7.3f}"
+            cov = "   -   " if r["coverage"] is None else f"{r['coverage']:6.3f}"
+            cov += "    -   " if r["in_time_coverage"] is None else f"  {r['in_time_coverage']:6.3f}"
             print(
                 f"{group['block_size']:3d} {group['concurrency']:2d}  {baseline:4s} {r['tokens_per_second']:7.1f} "
                 f"{group['over_b0'][baseline]:5.2f} {r['tau']:5.2f}  {cov}  {(r['wasted_prefetch_bytes'] or 0) / 1e6:8.2f}"
-                f"  {r['hit_rate']:5.3f}  {r['exposed_fetch_fraction']:7.3f}  {r['h2d_bytes_per_token'] / 1e3:10.1f}"
+                f"  {r['hit_rate']:5.3f}  {r['exposed_fetch_fraction']:7.3f}  {r['experts_moved_per_token']:11.2f}"
                 f"  {r['requests_per_forward']:7.2f}"
             )
         parts = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in group["ordering_parts"].items())
+        print(f"  OURS / B1 tokens/s = {group['ours_over_b1']:.3f}")
         verdict = "HOLDS" if group["ordering_b0_lt_b1_lt_ours_le_b3"] else "does NOT hold"
         print(
-            f"  ordering B0 < B1 < OURS <= B3 {verdict} ({parts}); same tokens in every configuration: "
+            f"  ordering B0 < B1 < OURS <= B3 {verdict} ({parts}); same tokens in every configuration of the same output length: "
             f"{group['same_tokens']}"
         )
 
@@ -320,13 +345,18 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--max-new", type=int, default=64)
+    p.add_argument("--max-new", default="auto", help="new tokens per request, or auto = max(4B, 32)")
+    p.add_argument(
+        "--width-ablation", action="store_true", help="also run OURS with every block verified whole"
+    )
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--drafter", choices=("dflash", "early_exit"), default="dflash")
-    p.add_argument("--cross-round", action="store_true", help="route-ahead cross-round prefetch (ablation)")
+    p.add_argument(
+        "--no-history", action="store_true", help="OURS predicts from route-ahead alone (ablation)"
+    )
     p.add_argument(
         "--option",
         action="append",

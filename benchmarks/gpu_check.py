@@ -1,4 +1,4 @@
-"""The prepared GPU check (``scripts/gpu_check.sh`` runs it; ≤ 9.5 minutes on a CUDA box). Writes one JSON summary.
+"""The prepared GPU check (``scripts/gpu_check.sh`` runs it; ≤ 14 minutes on a CUDA box). Writes one JSON summary.
 
 Steps, each bounded in time and recorded even when it fails:
 
@@ -8,7 +8,11 @@ Steps, each bounded in time and recorded even when it fails:
 3. ``reference``: the reference engine on a mini preset through its public interface
    (``ReferenceEngine(ctx).run_cell(cell)``): B0 (offloaded) and B3 (resident) at c = 1 and 4 must generate
    identical greedy tokens, and the offloaded cells' measured transfer rate is compared with the probe.
-4. ``gpu_tests``: ``pytest -m gpu`` (junit counts), with the figures the GPU tests measured (link bandwidth
+4. ``real_tiny``, ``real_slice``, ``real_target`` (``benchmarks/gpu_real.py``): the tiny real-layout targets
+   on the device (offloaded == resident tokens, MXFP4 dequantised on the device), a real-shaped one-layer slice
+   of each Phase-A target (expert transfer rate ÷ the pinned probe, target ≥ 0.9), and one B0 cell of a real
+   target when its weights are under HF_HOME (skipped with a message otherwise).
+5. ``gpu_tests``: ``pytest -m gpu`` (junit counts), with the figures the GPU tests measured (link bandwidth
    against the probe, demand slowdown under a prefetch backlog, submit host time, exposed fetch, per-configuration
    transfers; ``tests/engine/reference/test_gpu_link.py`` and ``test_gpu.py``). The transfer-rate check of step 3
    is an upper bound only (mini presets' experts are 24–49 KiB, so per-copy latency dominates their rate); the
@@ -251,6 +255,25 @@ def _figures(path: Path) -> dict[str, Any]:
     return {"figures": [json.loads(line) for line in path.read_text().splitlines() if line.strip()]}
 
 
+#: The steps in running order, each with its own time limit in seconds (cut to the overall budget).
+STEPS: dict[str, float] = {
+    "probe": 60,
+    "reference": 240,
+    "gpu_tests": 270,
+    "real_tiny": 120,
+    "real_slice": 150,
+    "real_target": 240,
+}
+
+
+def _wanted_steps(text: str, *, skip_tests: bool) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in STEPS]
+    if unknown:
+        raise SystemExit(f"gpu_check: unknown step(s) {', '.join(unknown)}; use {', '.join(STEPS)}")
+    return [s for s in STEPS if s in names and not (skip_tests and s == "gpu_tests")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -261,6 +284,18 @@ def main(argv: list[str] | None = None) -> int:
         "--preset", default=None, help="reference preset (default: mini-gpt-oss on CUDA, micro on CPU)"
     )
     parser.add_argument("--skip-tests", action="store_true", help="do not run pytest -m gpu")
+    parser.add_argument(
+        "--steps",
+        default=",".join(STEPS),
+        help=f"comma-separated steps to run, in this order: {','.join(STEPS)} (default: all)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=540.0,
+        help="overall seconds: each step's timeout is cut to what is left, steps past it are recorded as not run "
+        "(default 540: one device call of at most 10 minutes, with room to write the summary)",
+    )
     parser.add_argument("--step", choices=("reference",), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -274,12 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     cuda = bool(env.get("cuda_available"))
     device = ("cuda" if cuda else "cpu") if args.device == "auto" else args.device
     preset = args.preset or ("mini-gpt-oss" if device == "cuda" else "micro")
-    try:
-        summary["steps"]["probe"] = step_probe()
-    except Exception as exc:
-        summary["steps"]["probe"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    summary["steps"]["reference"] = _run_json(
-        [
+    wanted = _wanted_steps(args.steps, skip_tests=args.skip_tests)
+    deadline = started + args.budget_s
+    real = str(REPO / "benchmarks" / "gpu_real.py")
+    commands = {
+        "reference": [
             sys.executable,
             str(Path(__file__).resolve()),
             "--step",
@@ -289,10 +323,28 @@ def main(argv: list[str] | None = None) -> int:
             "--preset",
             preset,
         ],
-        timeout=240,
-    )
-    if not args.skip_tests:
-        summary["steps"]["gpu_tests"] = step_gpu_tests(timeout=270)
+        "real_tiny": [sys.executable, real, "--step", "tiny", "--device", device],
+        "real_slice": [sys.executable, real, "--step", "slice", "--device", device],
+        "real_target": [sys.executable, real, "--step", "real", "--device", device],
+    }
+    for name in wanted:
+        left = deadline - time.perf_counter()
+        if left < 20:
+            summary["steps"][name] = {
+                "ok": False,
+                "error": f"not run: the {args.budget_s:g} s budget was spent",
+            }
+            continue
+        timeout = min(STEPS[name], left)
+        if name == "probe":
+            try:
+                summary["steps"]["probe"] = step_probe()
+            except Exception as exc:
+                summary["steps"]["probe"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        elif name == "gpu_tests":
+            summary["steps"]["gpu_tests"] = step_gpu_tests(timeout=timeout)
+        else:
+            summary["steps"][name] = _run_json(commands[name], timeout)
     summary["device"] = device
     summary["seconds"] = time.perf_counter() - started
     summary["ok"] = all(step.get("ok", False) for step in summary["steps"].values())

@@ -2,7 +2,8 @@
 with ``--scale``, dispatch and the driver's own cost at 1,000+ cells on 8 boxes x 4 fake GPUs.
 
 Default: a simulated cluster (``ray.cluster_utils.Cluster``: a head and 3 boxes x 2 fake GPUs) runs a
-Phase-A-shaped sweep (2 models x 5 baselines x B in {8, 16} x 6 concurrency levels x 3 repeats = 288 cells) with
+Phase-A-shaped sweep (2 models x 5 baselines x B in {8, 16} x 6 concurrency levels x 3 repeats = 324 cells; 288 before B3
+was measured per block size) with
 the fixed-duration engine of tests/sweep/engines.py (cells and model loads sleep; durations differ per baseline,
 concurrency, block size and model). Printed:
 

@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
+from pd_dflash.ablation import ABLATION_AXES, ablation_settings
 from pd_dflash.spec import Cell, SweepSpec, iter_cells
 from pd_dflash.upstream import BLOCK_INDEPENDENT_BASELINES
 
@@ -43,7 +44,8 @@ def plan_summary(
         for b in spec.baselines
         if b in BLOCK_INDEPENDENT_BASELINES and len(spec.block_sizes) > 1
     }
-    upstream_rows = len(spec.models) * len(spec.baselines) * len(spec.block_sizes) * len(spec.concurrency)
+    settings = sum(len(ablation_settings(spec, m)) for m in spec.models)  # ablation settings per model
+    upstream_rows = settings * len(spec.baselines) * len(spec.block_sizes) * len(spec.concurrency)
     counts = {
         "total": total,
         "to_run": total - len(blocked),
@@ -83,13 +85,23 @@ def write_plan_json(
     out.write("}\n")
 
 
+def _list_axes(spec: SweepSpec) -> list[tuple[str, list]]:
+    """The list-valued ablation axes, as the plan names them."""
+    axes = []
+    if isinstance(spec.memory.expert_cache_fraction, list):
+        axes.append((ABLATION_AXES["expert_cache_fraction"], spec.memory.expert_cache_fraction))
+    axes += [(f"{m.id} emulated_h2d_gbps", m.link_axis()) for m in spec.models if m.link_axis()]
+    return axes
+
+
 def render_plan(spec: SweepSpec, planned: dict[str, Any], notes: Iterable[str] = ()) -> str:
     """The text plan: axes, cells per model × baseline, savings, blocked cells, notes, totals."""
     counts = planned["counts"]
     lines = [
         f"sweep {spec.name}: engine {spec.engine}, fingerprint {counts['fingerprint']}",
         f"axes: {len(spec.models)} models x {len(spec.baselines)} baselines x block sizes {spec.block_sizes} "
-        f"x concurrency {spec.concurrency} x {spec.repeats} repeats",
+        f"x concurrency {spec.concurrency} x {spec.repeats} repeats"
+        + "".join(f" x {where} {values}" for where, values in _list_axes(spec)),
         "",
         "cells per model x baseline:",
     ]
@@ -99,7 +111,7 @@ def render_plan(spec: SweepSpec, planned: dict[str, Any], notes: Iterable[str] =
         lines.append(f"  {model:<{width}}  {parts}  (total {sum(by_b.values())})")
     if counts["saved_by_block_dedup"]:
         lines.append(
-            f"B0/B3 measured once per (model, c, repeat) and shown in every block-size group: "
+            f"B0 measured once per (model, c, repeat) and shown in every block-size group: "
             f"{counts['saved_by_block_dedup']} cells saved"
         )
     if planned["blocked"]:

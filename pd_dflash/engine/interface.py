@@ -55,7 +55,7 @@ class EngineContext(BaseModel):
         """The context a runner builds for one model of a spec (the first model when ``model_id`` is None)."""
         return cls(
             sweep=spec.name,
-            model=spec.model(model_id) if model_id is not None else spec.models[0],
+            model=(spec.model(model_id) if model_id is not None else spec.models[0]).single_valued(),
             memory=spec.memory,
             hardware=spec.hardware,
             workload=spec.workload,

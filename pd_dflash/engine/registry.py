@@ -52,6 +52,9 @@ class EngineTraits:
     #: A torch-free check of one model entry (fields the engine requires), ``check_model(model, where)``;
     #: raises InputError. Runs at plan time, so it may import only torch-free modules.
     check_model: Callable[[ModelSpec, str], None] | None = None
+    #: A torch-free check of the whole spec (files the engine will read: checkpoints, drafters, prompts),
+    #: ``check_spec(spec) -> notes``; raises InputError. Runs after ``check_model``, at plan time too.
+    check_spec: Callable[[SweepSpec], list[str]] | None = None
 
 
 def _reference_model(model: ModelSpec, where: str) -> None:
@@ -68,6 +71,13 @@ def _reference_model(model: ModelSpec, where: str) -> None:
         )
 
 
+def _reference_spec(spec: SweepSpec) -> list[str]:
+    """Real checkpoints (and their drafters) visible from here; a checkpoint that is not: a note."""
+    from pd_dflash.engine.reference.checkpoints.check import check_spec
+
+    return check_spec(spec)
+
+
 def _moe_infinity_model(model: ModelSpec, where: str) -> None:
     if not model.offload_dir:
         raise InputError(
@@ -82,6 +92,7 @@ BUILTIN: dict[str, EngineTraits] = {
         options_model="pd_dflash.engine.reference.options:ReferenceOptions",
         requires=("torch", "transformers"),
         check_model=_reference_model,
+        check_spec=_reference_spec,
         host_memory="pd_dflash.engine.reference.host_memory:runner_host_memory_bytes",
     ),
     "moe_infinity": EngineTraits(
@@ -161,9 +172,19 @@ def check(spec: SweepSpec, *, where: str | None = None) -> SweepSpec:
     if known is None:
         return spec
     for i, model in enumerate(spec.models):
-        validate_engine_options(spec.engine, model, where=f"models.{i}", engine_traits=known)
-        if known.check_model is not None:
-            known.check_model(model, f"models.{i}")
+        link = model.engine_options.get("emulated_h2d_gbps")
+        if isinstance(link, list) and (not link or len(set(link)) != len(link)):
+            raise InputError(
+                f"an ablation list must be non-empty and without duplicates, got {link}",
+                where=f"models.{i}.engine_options.emulated_h2d_gbps",
+            )
+        # A link-rate list is an ablation axis (ablation.ABLATION_AXES): every rate must be a valid option.
+        for variant in model.variants():
+            validate_engine_options(spec.engine, variant, where=f"models.{i}", engine_traits=known)
+            if known.check_model is not None:
+                known.check_model(variant, f"models.{i}")
+    if known.check_spec is not None:
+        known.check_spec(spec)
     return spec
 
 
@@ -173,9 +194,11 @@ def load_checked_spec(path: str | Path) -> SweepSpec:
 
 
 def plan_notes(spec: SweepSpec) -> list[str]:
-    """What ``plan`` cannot know before preflight (a custom engine is not imported at plan time)."""
+    """What ``plan`` cannot know before preflight: a custom engine (not imported at plan time), files of a
+    built-in engine that are not on this machine (its ``check_spec`` notes)."""
     if spec.engine in BUILTIN:
-        return []
+        known = BUILTIN[spec.engine]
+        return known.check_spec(spec) if known.check_spec is not None else []
     return [
         f"engine {spec.engine} is unverified until preflight: plan does not import it, so its import, traits "
         "(supported baselines) and engine_options are checked by the sweep's preflight on each box"

@@ -117,8 +117,11 @@ class DeficitScheduler:
                     f"demand of {value} {d}; the cap must be ≥ the largest single demand in each dimension"
                 )
 
-    def step(self, demands: Sequence[VerifyDemand]) -> Admission:
-        """Admit this step's verify batch from the pending demands (one per request) and update the carry."""
+    def step(self, demands: Sequence[VerifyDemand], budget: Mapping[str, int] | None = None) -> Admission:
+        """Admit this step's verify batch from the pending demands (one per request) and update the carry.
+
+        ``budget`` overrides this step's budget in the dimensions it names (each an int ≥ 1): a budget that is a
+        rate (OURS's expert bytes: bytes the link moves in the time since the previous step)."""
         ids = [dm.request_id for dm in demands]
         if len(set(ids)) != len(ids):
             dup = sorted({str(i) for i in ids if ids.count(i) > 1})
@@ -128,7 +131,8 @@ class DeficitScheduler:
         order = sorted(range(len(demands)), key=lambda i: demands[i].arrival)
         seated = [demands[i] for i in order if demands[i].in_flight]
         waiting = [demands[i] for i in order if not demands[i].in_flight]
-        available = tuple(b + c for b, c in zip(self.budget, self._carried, strict=True))
+        step_budget = self._step_budget(budget or {})
+        available = tuple(b + c for b, c in zip(step_budget, self._carried, strict=True))
         pool = list(available)
         for dm in seated:
             for k, d in enumerate(self.dimensions):
@@ -153,6 +157,16 @@ class DeficitScheduler:
             used=used,
             carried=self._carried,
         )
+
+    def _step_budget(self, override: Mapping[str, int]) -> tuple[int, ...]:
+        for d, value in override.items():
+            if d not in self.dimensions:
+                raise ValueError(
+                    f"budget override for unknown dimension {d!r}; dimensions {list(self.dimensions)}"
+                )
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"budget {d} must be an int ≥ 1, got {value!r}")
+        return tuple(int(override.get(d, b)) for d, b in zip(self.dimensions, self.budget, strict=True))
 
 
 class TokenDeficitScheduler(DeficitScheduler):

@@ -3,7 +3,7 @@
 Upstream keyed a group on (model, B, c) and could hold one row per baseline, so repeats could not be
 aggregated. Here every (group, baseline) holds its repeats; OK and PARTIAL repeats are averaged with pandas
 (mean, sample standard deviation, n, Student-t 95% interval) into one upstream-shaped row (the raw repeats
-are added when result_matrix.json is written: matrix_json.py). B0/B3 rows measured once for several block
+are added when result_matrix.json is written: matrix_json.py). B0 rows measured once for several block
 sizes (``block_sizes_covered``) fill every group they cover. Rows are held as :class:`RowBrief` summaries.
 Definitions: docs/metrics.md.
 """
@@ -91,7 +91,7 @@ def summary_stats(
 
 @dataclass(frozen=True)
 class Placed:
-    """One row as it appears in one group (a B0/B3 row covering [8, 16] is placed twice)."""
+    """One row as it appears in one group (a B0 row covering [8, 16] is placed twice)."""
 
     row: RowBrief
     source: str
@@ -182,7 +182,7 @@ def place_rows(rows: Sequence[RowBrief], sources: Sequence[str] | None = None) -
             f" (row at block_size {row.block_size} shared across {list(covered)})" if shared else ""
         )
         for b in covered:
-            slot = (row.model, row.baseline, b, row.concurrency, row.repeat)
+            slot = (row.group_model, row.baseline, b, row.concurrency, row.repeat)
             if slot in seen:
                 raise InputError(
                     f"duplicate identity (model={row.model}, baseline={row.baseline}, block_size={b}, "
@@ -212,7 +212,7 @@ def _aggregated_head(group: Group, baseline: str, repeats: list[Placed], stats: 
     measured = [p for p in repeats if p.measured]
     drafts = sorted({p.row.draft for p in repeats})
     out: dict[str, Any] = {
-        "model": group.model,
+        "model": first.row.model,
         "draft": drafts[0] if len(drafts) == 1 else " | ".join(drafts),
         "baseline": baseline,
         "block_size": group.block_size,
@@ -243,6 +243,8 @@ def _aggregated_head(group: Group, baseline: str, repeats: list[Placed], stats: 
         out["warnings"] = warnings
     if any(p.row.status != Status.OK for p in repeats):
         out["repeat_statuses"] = {str(p.row.repeat): p.row.status.value for p in repeats}
+    if first.row.ablation:
+        out["ablation"] = dict(first.row.ablation)
     if first.shared:
         out["shared_across_block_sizes"] = list(first.shared)
         out["measured_at_block_size"] = first.row.block_size
@@ -271,7 +273,7 @@ def build_matrix(rows: Sequence[Row | RowBrief], sources: Sequence[str] | None =
     placed, superseded = place_rows(briefs, sources)
     groups: dict[tuple[str, int, int], Group] = {}
     for p in placed:
-        gid = (p.row.model, p.block_size, p.row.concurrency)
+        gid = (p.row.group_model, p.block_size, p.row.concurrency)
         group = groups.setdefault(gid, Group(*gid))
         group.by_baseline.setdefault(p.row.baseline, []).append(p)
     ordered = {g.key: g for _, g in sorted(groups.items())}
@@ -313,7 +315,11 @@ def _stats(records: list[tuple]) -> dict[tuple[str, str], dict[str, dict[str, An
             mean, std, n = line[3 * i], line[3 * i + 1], int(line[3 * i + 2])
             if n == 0:
                 continue
-            upper = 1.0 if col in RATIO_METRICS or col == "route_ahead.waste_ratio" else None
+            upper = (
+                1.0
+                if col in RATIO_METRICS or col in ("route_ahead.waste_ratio", "prefetched_in_time_coverage")
+                else None
+            )
             lower = None if col == "hide_inequality.margin_seconds" else 0.0  # a margin may be negative
             per[col] = summary_stats(float(mean), None if n < 2 else float(std), n, lower=lower, upper=upper)
         out[(key, baseline)] = per

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from pd_dflash.ablation import group_model, identity_of
 from pd_dflash.costmodel import evaluate_hide_inequality
 from pd_dflash.schema import MEASURED_STATUSES, Row, Status
 from pd_dflash.upstream import REQUIRED_METRICS
@@ -32,6 +33,7 @@ HIDE_TERMS: tuple[str, ...] = (
 )
 #: Numeric row fields averaged over repeats besides the ten metrics (dotted = nested field).
 EXTRA_COLUMNS: tuple[str, ...] = (
+    "prefetched_in_time_coverage",
     "t_draft_seconds",
     "t_router_seconds",
     "t_verify_seconds",
@@ -85,10 +87,20 @@ class RowBrief:
     cost_terms: dict[str, Any] | None
     #: The row as stored: its JSON text (a JSON-lines row, re-read from its file) or its stored dict.
     fetch: Callable[[], str | dict[str, Any]]
+    #: The row's ablation values (``ablation.ABLATION_AXES``), or None.
+    ablation: dict[str, float] | None = None
 
     @property
-    def identity(self) -> tuple[str, str, int, int, int]:
-        return (self.model, self.baseline, self.block_size, self.concurrency, self.repeat)
+    def identity(self) -> tuple:
+        """Upstream's identity, plus the ablation values if any (``Row.identity``)."""
+        return identity_of(
+            self.model, self.baseline, self.block_size, self.concurrency, self.repeat, self.ablation
+        )
+
+    @property
+    def group_model(self) -> str:
+        """The model part of the row's report group key (``spec.group_model``)."""
+        return group_model(self.model, self.ablation)
 
     @property
     def measured(self) -> bool:
@@ -164,4 +176,5 @@ def brief_of(row: Row, fetch: Callable[[], str | dict[str, Any]] | None = None) 
         if row.cost_terms is None
         else row.cost_terms.model_dump(mode="json", exclude_none=True),
         fetch=fetch or row.to_json_dict,
+        ablation=dict(row.ablation) if row.ablation else None,
     )

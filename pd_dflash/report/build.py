@@ -3,7 +3,7 @@
 Compatible with the files of upstream's ``benchmarks/dflash/report.py`` (docs/metrics.md): the same
 group key ``model|B{b}|c{c}``, ``result_matrix.json`` as ``{group: {baseline: row}}``, the CSV's upstream
 columns first, the per-group JSON on stdout, exit 0 iff every group is complete. What it adds: repeats
-aggregated with confidence intervals, B0/B3 rows shared across block sizes, and the gates of docs/metrics.md.
+aggregated with confidence intervals, B0 rows shared across block sizes, and the gates of docs/metrics.md.
 The sweep's collector calls :func:`write_outputs` every N rows.
 """
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+from pd_dflash.ablation import ablation_settings, group_model
 from pd_dflash.costmodel import bm1_summary, evaluate_hide_inequality
 from pd_dflash.report.aggregate import Group, Matrix, Placed, group_key
 from pd_dflash.report.brief import HIDE_TERMS
@@ -46,8 +47,9 @@ class Expectations:
         """From the spec when given; otherwise upstream's B0..B3 plus any baseline and repeat seen."""
         if spec is not None:
             grid = tuple(
-                (m.id, b, c)
+                (group_model(m.id, a), b, c)
                 for m in spec.models
+                for a in ablation_settings(spec, m)
                 for b in sorted(spec.block_sizes)
                 for c in sorted(spec.concurrency)
             )

@@ -10,6 +10,8 @@ import re
 from pd_dflash.report.aggregate import Matrix
 from pd_dflash.upstream import BASELINE_ORDER
 
+TOKENS = "output_tokens_per_second"
+
 _STYLE = {"B0": "o-", "B1": "s-", "B2": "^-", "B3": "D--", "OURS": "*-"}
 _COLOR = {"B0": "tab:blue", "B1": "tab:orange", "B2": "tab:green", "B3": "tab:red", "OURS": "tab:purple"}
 
@@ -112,7 +114,7 @@ def _acceptance_length(matrix: Matrix, model: str, blocks: list[int], concs: lis
     for b in BASELINE_ORDER:
         for j, bsz in enumerate(blocks):
             pts = acc.get((b, bsz))
-            if pts and b not in ("B0", "B3"):
+            if pts and b != "B0":
                 cs, ys, hs = zip(*pts, strict=True)
                 fmt = _STYLE[b][0] + ("-" if j == len(blocks) - 1 else "--")
                 ax.errorbar(cs, ys, yerr=hs, fmt=fmt, color=_COLOR[b], label=f"{b} B={bsz}", capsize=3)
@@ -144,4 +146,46 @@ def render_plots(matrix: Matrix) -> dict[str, bytes]:
         slug = _slug(model)
         for what, draw in PLOTS.items():
             files[f"plots/{slug}_{what}.png"] = _png(draw(matrix, model, blocks, concs))
+    files.update(ablation_plots(matrix))
+    return files
+
+
+def ours_over_b1(matrix: Matrix) -> dict[tuple[str, int, int], dict[float, list[tuple[float, float]]]]:
+    """For groups whose rows carry both ablation axes: {(model, B, c): {link GB/s: [(cache fraction, mean
+    OURS tokens/s / mean B1 tokens/s)]}} (groups missing OURS or B1 are left out)."""
+    out: dict[tuple[str, int, int], dict[float, list[tuple[float, float]]]] = {}
+    for key, g in matrix.groups.items():
+        placed = next(iter(g.by_baseline.values()), [])
+        ablation = placed[0].row.ablation if placed else None
+        if not ablation or not {"expert_cache_fraction", "emulated_h2d_gbps"} <= set(ablation):
+            continue
+        ours, b1 = matrix.mean(key, "OURS", TOKENS), matrix.mean(key, "B1", TOKENS)
+        if ours is None or not b1:
+            continue
+        series = out.setdefault((placed[0].row.model, g.block_size, g.concurrency), {})
+        series.setdefault(ablation["emulated_h2d_gbps"], []).append(
+            (ablation["expert_cache_fraction"], ours / b1)
+        )
+    return {k: {link: sorted(pts) for link, pts in sorted(v.items())} for k, v in sorted(out.items())}
+
+
+def ablation_plots(matrix: Matrix) -> dict[str, bytes]:
+    """``plots/<model>_ablation_B{b}_c{c}.png``: OURS / B1 tokens/s against the cache fraction, one line per
+    emulated link rate (the cache × link ablation, ``jobs/ablation_cache_link.yaml``)."""
+    from matplotlib.figure import Figure
+
+    files = {}
+    for (model, bsz, c), lines in ours_over_b1(matrix).items():
+        fig = Figure(figsize=(5.5, 4.2), layout="constrained")
+        ax = fig.subplots()
+        for link, pts in lines.items():
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, "o-", label=f"link {link:g} GB/s")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("expert cache fraction (of all routed experts)")
+        ax.set_ylabel("OURS / B1 output tokens/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.suptitle(f"{model}: B = {bsz}, c = {c}")
+        files[f"plots/{_slug(model)}_ablation_B{bsz}_c{c}.png"] = _png(fig)
     return files

@@ -98,7 +98,8 @@ HEADLINE: tuple[tuple[str, str, str, float], ...] = (
     ("per_round_latency_seconds", "Per-round latency", "ms", 1e3),
     ("ttft_seconds", "TTFT (mean over requests)", "ms", 1e3),
     ("expert_cache_hit_rate", "Expert cache hit rate", "ratio", 1.0),
-    ("route_ahead_prefetch_coverage", "Prefetch coverage", "ratio", 1.0),
+    ("route_ahead_prefetch_coverage", "Prefetch coverage (prediction recall)", "ratio", 1.0),
+    ("prefetched_in_time_coverage", "Prefetched-in-time coverage", "ratio", 1.0),
     ("route_ahead.waste_ratio", "Route-ahead waste ratio", "ratio", 1.0),
     ("wasted_prefetch_bytes", "Wasted prefetch", "GB", 1e-9),
 )

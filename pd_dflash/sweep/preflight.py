@@ -281,7 +281,8 @@ def check_engine_importable(
         }
     try:
         for i, model in enumerate(models or ()):
-            registry.validate_engine_options(engine, model, where=f"models.{i}")
+            for variant in model.variants():  # a link-rate ablation: each rate (spec.ModelSpec.variants)
+                registry.validate_engine_options(engine, variant, where=f"models.{i}")
     except InputError as exc:
         return {"ok": False, "error": short(str(exc))}
     return {"ok": True, "python": environment_manifest()["python"], "traits": traits}

@@ -7,6 +7,7 @@ level, inside functions, and under ``if TYPE_CHECKING:``.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -240,3 +241,32 @@ def test_no_function_over_the_line_limit():
 def test_the_argument_table_exemption_names_a_real_function():
     names = {f"{m.rel}:{n}" for m in MODULES.values() for n, _ in _functions(m)}
     assert names >= ARGUMENT_TABLES
+
+
+def _mapped_modules(doc: str) -> set[str]:
+    """Module paths named in docs/architecture.md's module map (``pkg/`` (`a`, `b`) expands to pkg/a.py ...)."""
+    table = doc.split("## Module map", 1)[1].split("\n\n", 2)[2]
+    named: set[str] = set()
+    for line in table.splitlines():
+        cells = line.split(" | ")
+        if len(cells) < 3 or not line.startswith("| "):
+            continue
+        cell = cells[1]
+        package = re.match(r"`([\w/]+/)` \(([^)]*)\)", cell)
+        if package:
+            named |= {f"{package.group(1)}{n}.py" for n in re.findall(r"`(\w+)`", package.group(2))}
+        else:
+            named |= {n for n in re.findall(r"`([\w/]+\.py)`", cell)}
+    return named
+
+
+def test_the_module_map_matches_the_tree():
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    on_disk = {
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "__init__.py" and "__pycache__" not in p.parts
+    }
+    named = _mapped_modules(doc)
+    assert on_disk - named == set(), "modules missing from docs/architecture.md's module map"
+    assert named - on_disk == set(), "docs/architecture.md names modules that do not exist"

@@ -28,9 +28,19 @@ def test_the_reference_engine_gives_its_figure_without_torch(tmp_path):
     assert registry.traits("reference").host_memory.startswith("pd_dflash.engine.reference.host_memory:")
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text('{"model_type": "qwen3_moe", "torch_dtype": "bfloat16"}')
-    (ckpt / "model.safetensors").write_bytes(b"\0" * 1000)
-    assert registry.host_memory_bytes("reference", ModelSpec(id=str(ckpt))) == 1000
+    (ckpt / "config.json").write_text(
+        '{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "torch_dtype": "bfloat16", '
+        '"hidden_size": 4, "num_hidden_layers": 0, "num_experts": 2, "moe_intermediate_size": 2, '
+        '"tie_word_embeddings": true}'
+    )
+    # A safetensors file written by hand: 8-byte header length, JSON header, the data (a model of no layer).
+    header = (
+        b'{"model.embed_tokens.weight":{"dtype":"BF16","shape":[125,4],"data_offsets":[0,1000]},'
+        b'"model.norm.weight":{"dtype":"BF16","shape":[4],"data_offsets":[1000,1008]}}'
+    )
+    (ckpt / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 1008)
+    size = (ckpt / "model.safetensors").stat().st_size
+    assert registry.host_memory_bytes("reference", ModelSpec(id=str(ckpt))) == size
     assert registry.host_memory_bytes("moe_infinity", ModelSpec(id=str(ckpt))) is None
 
 

@@ -101,9 +101,9 @@ def _check_verify_scheduler(loaded: Loaded, cell: Cell) -> None:
 
 
 def _check_route_ahead_switch(loaded: Loaded, cell: Cell) -> None:
-    """B1/B2 need route-ahead switchable off; OURS needs a prefetcher to bind."""
+    """B1/B2/B3 need route-ahead switchable off; OURS needs a prefetcher to bind."""
     b = cell.baseline
-    if b in ("B1", "B2"):
+    if b in ("B1", "B2", "B3"):
         if not loaded.build.route_ahead_switch:
             raise Refused(
                 Status.REFUSED,
@@ -186,7 +186,7 @@ def plan(options: MoEInfinityOptions, loaded: Loaded, cell: Cell, h2d: float | N
     b, bs, c = cell.baseline, cell.block_size, cell.concurrency
     if not cell.speculative:
         return CellPlan(False, None, None, "ar_batched")
-    if b == "B1":
+    if b in ("B1", "B3"):  # B3: B1's speculative path on the resident load (upstream's B3)
         if not _sessions(loaded):
             return CellPlan(True, False, None, "spec_whole_request")
         unbounded = B2_UNBOUNDED_EXPERT_BYTES

@@ -75,7 +75,7 @@ def model_executions(plan: CellPlan, obs: Observation) -> tuple[dict | None, lis
     """Model-runner executions per emitted token (facts), and the flag for a step that runs a batch twice.
 
     In one post-#173 ``serving/engine.py`` a standard step appears to run its batch through the model three
-    times (``_execute_batch``, ``_execute_and_commit`` and again in ``_step_standard``), which would cut B0/B3
+    times (``_execute_batch``, ``_execute_and_commit`` and again in ``_step_standard``), which would cut B0
     throughput without any error. Autoregressive cells emit one token per model-runner row, so more rows than
     tokens show it.
     """

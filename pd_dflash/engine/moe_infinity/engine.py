@@ -9,7 +9,8 @@ Per cell (``cells`` → ``measure`` → ``results``): a ContinuousBatchingEngine
 ``workload.requests`` requests with c in flight. What each configuration switches (never silently the same as
 another):
 
-- B0 / B3: no speculator (autoregressive, batched decode); B3 on the resident load.
+- B0: no speculator (autoregressive, batched decode).
+- B3: B1's speculative path on the resident load (upstream's B3: DFlash with every expert resident).
 - B1: DFlash with route-ahead OFF (the verify-time prefetcher hook returns None, so the expert executor keeps
   its unchanged AR prefetch path) and non-binding verify budgets (every pending verify admitted each step).
 - B2: DFlash, route-ahead OFF, token-deficit scheduling (upstream's ``build_b2_serving_config``: token budget

@@ -230,7 +230,7 @@ def load(ctx: EngineContext, options: MoEInfinityOptions, ratio: float) -> Loade
     facts.update(ratio_facts)
     facts.update(num_offloaded_experts=num_offloaded, total_expert_bytes=m.total_expert_bytes(moe.engine))
     speculator, draft_block_size = None, None
-    if ctx.load_group != "resident" and model.draft:
+    if model.draft:  # every configuration but B0 is speculative, B3 on the resident load included
         speculator = _load_speculator(moe, model.draft, options)
         draft_block_size = int(speculator.config.block_size)
         facts.update(draft=model.draft, draft_block_size=draft_block_size)

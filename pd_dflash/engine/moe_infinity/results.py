@@ -151,7 +151,7 @@ def kv_occupancy(plan: CellPlan, obs: Observation) -> Derived:
         return Derived(warnings=[m.ABSENT["kv_occupancy_bytes"]], facts=facts)
     label = (
         "kv_occupancy_bytes counts the paged prompt blocks only: MoE-Infinity keeps a speculative request's target "
-        "KV in a private cache this serving path does not expose, so the value is not comparable with B0/B3"
+        "KV in a private cache this serving path does not expose, so the value is not comparable with B0"
     )
     return Derived(paged, {"kv_occupancy_bytes": "serving PagedKVCache (prompt blocks only)"}, [label], facts)
 

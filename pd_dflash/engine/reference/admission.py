@@ -11,12 +11,13 @@ step's batched forward; the others keep their block (no redraft) and wait.
   batch's union of predicted, non-resident experts: the fetch the verify will really issue;
 - arrival: the step at which the block became pending, so a deferred round keeps its place (FIFO, no
   starvation: the liveness argument of scheduling.py);
-- in flight: a round whose prefetch is already on the link (cross-round prefetch) — seated unconditionally.
-  The engine's verify finishes within its step, so without cross-round prefetch no round is in flight.
+- in flight: none. The engine's verify finishes within its step, so every round, of a running request or a new
+  one, is admitted through the budgets (route-ahead's history prefetch does not seat the next round).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -26,6 +27,7 @@ from pd_dflash.engine.reference.offload import OffloadRuntime
 from pd_dflash.engine.reference.options import ReferenceOptions
 from pd_dflash.engine.reference.serving import AdmitAll
 from pd_dflash.engine.scheduling import (
+    EXPERT_BYTES,
     DeficitScheduler,
     TokenDeficitScheduler,
     TwoDimDeficitScheduler,
@@ -39,15 +41,22 @@ TRACE_STEPS = 64
 
 
 def scheduler_for(
-    cell: Cell, options: ReferenceOptions, runtime: OffloadRuntime, top_k: int, longest_prompt: int
+    cell: Cell,
+    options: ReferenceOptions,
+    runtime: OffloadRuntime,
+    top_k: int,
+    longest_prompt: int,
+    link_bytes_per_second: float | None = None,
 ) -> AdmitAll | DeficitAdmission:
     """None (``AdmitAll``) for B0/B1/B3, the token deficit for B2, the 2-D deficit for OURS; ``Refused`` when a
     cap is below the largest single demand of the cell (that round could never be admitted).
 
     Defaults (documented in docs/reference-engine.md): tokens budget c·B (every in-flight request can verify a
     full block each step; a prefill longer than that is spread over steps by the deficit), tokens cap
-    max(2·budget, longest prompt, B); bytes budget = the cell's expert-cache capacity (a step's route-ahead fetch
-    must fit the cache), bytes cap = the largest route-ahead fetch one round can make.
+    max(2·budget, longest prompt, B); the bytes budget is a RATE, ``link_bytes_per_second`` (the link's bytes
+    per second of wall time between scheduling steps, ``ByteRate``), or absent when the link rate is unknown
+    (never binds); ``scheduler_budget_bytes`` fixes it per step instead (an ablation); bytes cap = the largest
+    route-ahead fetch one round can make.
     """
     if cell.baseline not in ("B2", "OURS"):
         return AdmitAll()
@@ -67,8 +76,11 @@ def scheduler_for(
     store = runtime.store
     e, k, nbytes, layers = store.num_experts, top_k, store.expert_nbytes, len(store.layer_ids)
     largest_bytes = layers * min(largest_tokens * k, e) * nbytes
-    budget_bytes = opts.scheduler_budget_bytes or runtime.cache.num_slots * nbytes
-    cap_bytes = opts.scheduler_cap_bytes or max(budget_bytes, largest_bytes)
+    cap_bytes = opts.scheduler_cap_bytes or max(opts.scheduler_budget_bytes or 0, largest_bytes)
+    rate = None if opts.scheduler_budget_bytes else link_bytes_per_second
+    # Fixed per step (the option), or the cap as the nominal budget: a rate sets each step's own, and with
+    # neither the byte dimension is absent (it never binds: every step may carry up to the cap).
+    budget_bytes = opts.scheduler_budget_bytes or cap_bytes
     if cap_bytes < largest_bytes:
         raise Refused(
             Status.REFUSED,
@@ -83,7 +95,39 @@ def scheduler_for(
         is_resident=runtime.cache.contains,
         expert_nbytes=nbytes,
         in_flight=runtime.prefetcher.in_flight,
+        byte_rate=ByteRate(rate) if rate else None,
     )
+
+
+class ByteRate:
+    """OURS's byte budget as a rate: each scheduling step may admit the bytes the link moves in the wall time
+    since the previous step (``bytes_per_second`` × elapsed, at least 1). A step that admits nothing costs time:
+    it sleeps until the first deferred demand's missing bytes have accrued (the link keeps moving the prefetches
+    already issued meanwhile), so carrying a deficit is never free."""
+
+    def __init__(self, bytes_per_second: float, clock=time.perf_counter, sleep=time.sleep) -> None:
+        if not bytes_per_second > 0:
+            raise ValueError(f"bytes_per_second must be > 0, got {bytes_per_second!r}")
+        self.bytes_per_second, self.clock, self.sleep = float(bytes_per_second), clock, sleep
+        self.last: float | None = None
+        self.waited_seconds = 0.0
+
+    def reset(self) -> None:
+        self.last, self.waited_seconds = self.clock(), 0.0
+
+    def budget(self) -> int:
+        """This step's bytes: the link's rate over the time since the previous step."""
+        now = self.clock()
+        elapsed = 0.0 if self.last is None else now - self.last
+        self.last = now
+        return max(1, int(elapsed * self.bytes_per_second))
+
+    def idle(self, missing_bytes: int) -> None:
+        """Nothing admitted: wait for the link to move the missing bytes."""
+        seconds = max(0, missing_bytes) / self.bytes_per_second
+        if seconds > 0:
+            self.sleep(seconds)
+            self.waited_seconds += seconds
 
 
 class DeficitAdmission:
@@ -95,8 +139,9 @@ class DeficitAdmission:
         is_resident: Callable[[tuple[int, int]], bool] | None = None,
         expert_nbytes: int = 0,
         in_flight: Callable[[object], bool] | None = None,
+        byte_rate: ByteRate | None = None,
     ) -> None:
-        self.scheduler = scheduler
+        self.scheduler, self.byte_rate = scheduler, byte_rate
         self.name = "two_dim_deficit" if isinstance(scheduler, TwoDimDeficitScheduler) else "token_deficit"
         self.fetch_keys, self.is_resident, self.expert_nbytes = fetch_keys, is_resident, expert_nbytes
         self.in_flight = in_flight or (lambda rid: False)
@@ -106,6 +151,8 @@ class DeficitAdmission:
         """Start a measurement (after warm-up): counters, trace and the scheduler's carry restart."""
         dims = len(self.scheduler.dimensions)
         self.scheduler.reset()
+        if self.byte_rate is not None:
+            self.byte_rate.reset()
         self.steps = self.idle_steps = self.deferring_steps = self.deferred_total = self.seated_total = 0
         self.binding: Counter = Counter()
         self.admitted_histogram: Counter = Counter()
@@ -129,8 +176,13 @@ class DeficitAdmission:
                 counted |= new
                 nbytes = len(new) * self.expert_nbytes
             demands.append(VerifyDemand(rid, len(b.tokens), nbytes, flags[rid], b.ready_step))
-        admission = self.scheduler.step(demands)
+        budget = {EXPERT_BYTES: self.byte_rate.budget()} if self.byte_rate is not None else None
+        admission = self.scheduler.step(demands, budget)
         self._record(admission, demands)
+        if not admission.admitted and admission.deferred and self.byte_rate is not None:
+            first = next(d for d in demands if d.request_id == admission.deferred[0])
+            k = self.scheduler.dimensions.index(EXPERT_BYTES)
+            self.byte_rate.idle(first.expert_bytes - (admission.available[k] - admission.used[k]))
         return [by_rid[rid] for rid in admission.admitted]
 
     def _record(self, admission, demands: list[VerifyDemand]) -> None:
@@ -166,6 +218,15 @@ class DeficitAdmission:
             "kind": self.name,
             "dimensions": dims,
             "budget": dict(zip(dims, self.scheduler.budget, strict=True)),
+            **(
+                {
+                    "expert_bytes_budget": "rate",
+                    "expert_bytes_per_second": self.byte_rate.bytes_per_second,
+                    "idle_wait_seconds": self.byte_rate.waited_seconds,
+                }
+                if self.byte_rate is not None
+                else {}
+            ),
             "cap": dict(zip(dims, self.scheduler.cap, strict=True)),
             "steps": self.steps,
             "idle_steps": self.idle_steps,

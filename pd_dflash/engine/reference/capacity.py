@@ -21,7 +21,8 @@ def expert_cache_capacity(
     total = store.total_bytes
     if not cell.offloaded:
         return total
-    opts, frac = options, memory.expert_cache_fraction
+    opts = options
+    frac = cell.ablation.get("expert_cache_fraction", memory.expert_cache_fraction)  # an ablation cell's own
     if opts.expert_cache_bytes is not None:
         capacity, given = (
             opts.expert_cache_bytes,

@@ -71,6 +71,19 @@ class Block:
     gate_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     #: Scheduling step at which the block became pending (the deficit schedulers' arrival order).
     ready_step: int = 0
+    #: The router pass's work up to the first MoE layer's attention, kept for the verify (``TargetModel``).
+    prefix: Prefix | None = None
+
+
+@dataclass
+class Prefix:
+    """What route-ahead's router pass computed for a block and the verify resumes from: the residual stream
+    after decoder layer ``layer``'s attention [rows, hidden], every layer's attention mask (built before the
+    block touched the KV cache), and the block's KV entries, left in layers ``0..layer`` of the request's cache."""
+
+    layer: int
+    residual: torch.Tensor
+    masks: list[Any]
 
 
 @dataclass
@@ -100,7 +113,7 @@ class TargetModel:
 
     def synchronize(self) -> None:
         """Block the host until the compute stream has finished: never the whole device, so prefetches on the
-        link's copy streams keep running (e.g. cross-round prefetches overlap the next draft)."""
+        link's copy streams keep running (e.g. route-ahead's history prefetches overlap the next draft)."""
         if self.sync_hook is not None:
             self.sync_hook()
         elif self.device.type == "cuda":
@@ -170,11 +183,19 @@ class TargetModel:
     def _run(self, blocks, capture, layers, *, keep_gate_inputs: bool):
         base = self.model.model
         upto = self.num_layers if layers is None else layers
-        h, rows = self._embed(blocks, upto)
+        start = self._resume_layer(blocks, capture, upto, keep_gate_inputs)
+        if start is None:
+            h, rows = self._embed(blocks, upto)
+            start = -1
+        else:
+            h, rows = self._resume(blocks)
         captured = {0: h} if 0 in capture else {}
         gate_inputs = {}
         for i, layer in enumerate(base.layers[:upto]):
-            h = self._attend(i, layer, h, blocks, rows)
+            if i < start:
+                continue  # dense layers the router pass ran whole
+            if i > start:  # layer ``start``'s attention: the router pass's
+                h = self._attend(i, layer, h, blocks, rows)
             mlp_in = layer.post_attention_layernorm(h)
             if keep_gate_inputs:
                 gate_inputs[i] = mlp_in
@@ -192,22 +213,67 @@ class TargetModel:
         return logits, captured, gate_inputs
 
     @torch.no_grad()
-    def first_gate_inputs(self, blocks: Sequence[Block], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def first_gate_inputs(
+        self, blocks: Sequence[Block], layer: int, *, keep: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The EXACT MoE input of decoder layer ``layer`` for every row of the blocks, and the residual stream
         there, without touching a routed expert: layers before it run whole (they must be dense), layer
-        ``layer`` runs its attention only. The KV entries this writes are rolled back (the verify recomputes
-        them). Returns ``([1, T, h] gate input, [1, T, h] residual)`` over the concatenated rows."""
+        ``layer`` runs its attention only. Without ``keep`` the KV entries this writes are rolled back; with it
+        they stay and each block keeps a ``Prefix`` the verify resumes from (no work done twice). Returns
+        ``([1, T, h] gate input, [1, T, h] residual)`` over the concatenated rows."""
         base = self.model.model
-        h, rows = self._embed(blocks, layer + 1)
+        h, rows = self._embed(blocks, self.num_layers if keep else layer + 1)
         for i, dec in enumerate(base.layers[: layer + 1]):
             h = self._attend(i, dec, h, blocks, rows)
             gate = dec.post_attention_layernorm(h)
             if i < layer:
                 h = h + self.family.mlp(dec.mlp, gate)
-        for b in blocks:
-            for cached_layer in b.request.cache.layers[: layer + 1]:
-                cached_layer.crop(-len(b.tokens))
+        for j, b in enumerate(blocks):
+            s, e = rows.spans[j]
+            if keep:
+                b.prefix = Prefix(layer, h[0, s:e], rows.masks[j])
+            else:
+                self._crop_prefix_layers(b, layer)
         return gate, h
+
+    def release_prefix(self, block: Block) -> None:
+        """Drop a block's kept router-pass work (its KV entries leave layers 0..prefix.layer): the block changed
+        (cut to fewer rows) or is verified with blocks that have none."""
+        if block.prefix is not None:
+            self._crop_prefix_layers(block, block.prefix.layer)
+            block.prefix = None
+
+    def _crop_prefix_layers(self, block: Block, layer: int) -> None:
+        for cached_layer in block.request.cache.layers[: layer + 1]:
+            cached_layer.crop(-len(block.tokens))
+
+    def _resume_layer(self, blocks, capture, upto: int, keep_gate_inputs: bool) -> int | None:
+        """The layer a full forward can resume at (every block kept the same prefix and nothing before it is
+        asked for); otherwise None, after dropping whatever prefixes there are."""
+        layers = {b.prefix.layer if b.prefix is not None else None for b in blocks}
+        if len(layers) == 1 and None not in layers:
+            (start,) = layers
+            if upto == self.num_layers and not keep_gate_inputs and not any(0 <= i <= start for i in capture):
+                return start
+        for b in blocks:
+            self.release_prefix(b)
+        return None
+
+    def _resume(self, blocks: Sequence[Block]) -> tuple[torch.Tensor, _Rows]:
+        """The kept residuals concatenated, with rotary terms for the block positions and the kept masks."""
+        base = self.model.model
+        h = torch.cat([b.prefix.residual for b in blocks])[None]
+        spans, start = [], 0
+        for b in blocks:
+            spans.append((start, start + len(b.tokens)))
+            start += len(b.tokens)
+        positions = torch.cat(
+            [torch.arange(b.request.cached, b.request.cached + len(b.tokens)) for b in blocks]
+        ).to(self.device)[None]
+        rows = _Rows(spans, base.rotary_emb(h, positions), [b.prefix.masks for b in blocks])
+        for b in blocks:
+            b.prefix = None
+        return h, rows
 
 
 class AutoregressiveDecoding:

@@ -36,6 +36,7 @@ from pd_dflash.engine.reference.dflash.published import load_published_drafter, 
 from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.expert_store import HostExpertStore
 from pd_dflash.engine.reference.link import HostLink
+from pd_dflash.engine.reference.link_rate import emulated_gbps, link_bytes_per_second
 from pd_dflash.engine.reference.memory import (
     device_available_bytes,
     host_available_bytes,
@@ -54,6 +55,7 @@ from pd_dflash.engine.reference.prompts import prompt_facts
 from pd_dflash.engine.reference.route_prefetch import RouteAheadPrefetcher
 from pd_dflash.engine.reference.serving import RoundRecord, run_requests
 from pd_dflash.engine.reference.speculative import BlockDrafterSource, EarlyExitDrafter, SpeculativeDecoding
+from pd_dflash.engine.reference.verify_width import CostAwareWidth
 from pd_dflash.errors import InputError
 from pd_dflash.schema import EngineResult, Status
 from pd_dflash.spec import Cell
@@ -95,22 +97,28 @@ class ReferenceEngine(Engine):
             seed=self.options.train_seed,
             cache_dir=self.options.cache_dir,
             dtype=self.options.dtype,
+            path=ctx.model.path,
+            device=self.device,
+            storage=self.options.storage_dtype,
+            host_available_bytes=self.host_available_bytes(),
+            device_available_bytes=self.device_available_bytes(),
         )
         model = self.loaded.model
         self.compute_dtype = next(model.parameters()).dtype
-        self.storage_dtype = self.options.storage_dtype
-        if self.storage_dtype == "auto":
-            self.storage_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
-                self.compute_dtype
-            ]
         #: A load that does not fit (the host store, the device weights): every cell is refused with its figures.
-        self.load_refusal: Refused | None = None
-        self.store: HostExpertStore | None = None
-        try:
-            self.store = self._offload(model)
-            model.to(self.device)  # everything but the routed experts, which now live in the host store
-        except Refused as refusal:
-            self.load_refusal = refusal
+        self.load_refusal: Refused | None = self.loaded.refusal
+        self.store: HostExpertStore | None = self.loaded.store  # a checkpoint's, streamed into it at load
+        self.storage_dtype = self.loaded.storage or self.options.storage_dtype
+        if self.loaded.source == "preset":
+            if self.storage_dtype == "auto":
+                self.storage_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
+                    self.compute_dtype
+                ]
+            try:
+                self.store = self._offload(model)
+                model.to(self.device)  # everything but the routed experts, which now live in the host store
+            except Refused as refusal:
+                self.load_refusal = refusal
         self.target = TargetModel(model, self.loaded.family, self.device)
         self.top_k = int(model.config.num_experts_per_tok)
         if self.options.drafter == "early_exit" and self.options.early_exit_layers >= self.target.num_layers:
@@ -127,6 +135,7 @@ class ReferenceEngine(Engine):
         # (drafter, card or facts): a preset's trained drafter, or the published models[].draft of a checkpoint;
         # loaded at the first speculative cell.
         self._dflash = None
+        self.last_trace: tuple[list, int] | None = None
         self.load_seconds = time.perf_counter() - start
 
     def _offload(self, model) -> HostExpertStore:
@@ -193,6 +202,8 @@ class ReferenceEngine(Engine):
         with self._setup(cell, capacity) as setup:
             warm_seconds = self._warm_up(cell, setup)
             rounds, timed_seconds = self._timed(cell, setup)
+            #: The timed loop's verify access trace and cache slots (``benchmarks/cache_policy.py``).
+            self.last_trace = (setup.runtime.trace, setup.runtime.cache.num_slots)
             result = assemble(self._measurement(setup, rounds, warm_seconds, timed_seconds), self.ctx.slo)
             result.warnings.extend((setup.drafter_facts or {}).get("warnings", []))
             return result
@@ -226,7 +237,9 @@ class ReferenceEngine(Engine):
         runtime, link = self._runtime(cell, capacity)
         try:
             longest_prompt = max(len(r.prompt) for r in warm + timed)
-            scheduler = scheduler_for(cell, self.options, runtime, self.top_k, longest_prompt)
+            scheduler = scheduler_for(
+                cell, self.options, runtime, self.top_k, longest_prompt, self.link_bytes_per_second(cell)
+            )
             yield _CellSetup(
                 warm=warm,
                 timed=timed,
@@ -305,7 +318,7 @@ class ReferenceEngine(Engine):
         return decoding, facts, (seconds if not loaded_before and self._dflash is not None else None)
 
     def _decoding(self, cell: Cell):
-        """(decoding, drafter facts) of the cell: AR for B0/B3, the configured drafter otherwise."""
+        """(decoding, drafter facts) of the cell: AR for B0, the configured drafter otherwise."""
         temperature = self.ctx.workload.temperature
         if not cell.speculative:
             return AutoregressiveDecoding(temperature), None
@@ -319,7 +332,9 @@ class ReferenceEngine(Engine):
                 self._dflash = load_published_drafter(
                     self.ctx.model.draft,
                     self.target.model,
-                    target_where=str(Path(self.loaded.name) / "config.json"),
+                    target_where=str(
+                        Path(self.loaded.card.get("checkpoint", self.loaded.name)) / "config.json"
+                    ),
                     cache_dir=self.options.cache_dir,
                 )
             return published_decoding(self._dflash, cell, temperature)
@@ -354,23 +369,27 @@ class ReferenceEngine(Engine):
                 LinkFacts("real", probe_bytes_per_second=self.probe_bytes_per_second),
             )
         else:
-            link = HostLink(opts.emulated_h2d_gbps, opts.emulated_latency_us)
+            gbps = emulated_gbps(cell, self.options)
+            link = HostLink(gbps, opts.emulated_latency_us)
             facts = LinkFacts(
                 link.kind,
-                emulated_gbps=opts.emulated_h2d_gbps,
-                emulated_latency_us=opts.emulated_latency_us if opts.emulated_h2d_gbps else None,
+                emulated_gbps=gbps,
+                emulated_latency_us=opts.emulated_latency_us if gbps else None,
             )
         cache = ExpertCache(
             self.store, capacity, self.device, self.compute_dtype, policy=opts.eviction, link=link
         )
         prefetcher = None
         if cell.baseline == "OURS":
+            rate = self.link_bytes_per_second(cell)
+            width = CostAwareWidth(rate) if opts.verify_width == "cost_aware" and rate else None
             prefetcher = RouteAheadPrefetcher(
                 self.target,
                 self.store.layer_ids,
                 self.top_k,
-                window=max(1, cache.num_slots // 2),
-                cross_round=opts.cross_round_prefetch,
+                history=opts.route_ahead_history,
+                width=width,
+                expert_nbytes=self.store.expert_nbytes,
             )
         elif opts.prefetcher == "activation_aware":
             # B3: observe-only, so its prediction quality is on the same scale as the offloaded baselines'.
@@ -381,6 +400,11 @@ class ReferenceEngine(Engine):
         runtime.attach(self.target.model)
         self.target.sync_hook = runtime.synchronize
         return runtime, facts
+
+    def link_bytes_per_second(self, cell: Cell) -> float | None:
+        """``link_rate.link_bytes_per_second`` of this engine's device and store."""
+        cuda, probe = self.device.type == "cuda", self.probe_bytes_per_second
+        return link_bytes_per_second(cell, self.options, self.store.expert_nbytes, cuda=cuda, probe=probe)
 
     def _requests(self, cell: Cell, n: int, *, max_new: int, stream: int, tag: str) -> list[Request]:
         wl = self.ctx.workload

@@ -1,8 +1,10 @@
-"""The bounded device expert cache: slots, eviction (LRU / LFU), pinning, and exact accounting.
+"""The bounded device expert cache: slots, eviction (the round plan, LRU or LFU), pinning, and exact accounting.
 
 Capacity is in bytes and becomes ``capacity // expert_nbytes`` slots preallocated on the device, so occupancy
 can never exceed it. An entry is pinned while a step computes with it and cannot be evicted while its transfer
-is in flight. Every access is classified at the moment compute asks for the expert:
+is in flight. The default eviction, ``plan``, ranks victims by the round plan (``cache_plan.py``): what this
+round predicted (reservations: a prefetch names its key for the round), what it has already computed and what
+the last round used. Every access is classified at the moment compute asks for the expert:
 
 - hit: resident and ready (its transfer, if any, has landed);
 - in-flight hit: in the cache but still on the link (an earlier prefetch): no new transfer, compute waits;
@@ -21,11 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pd_dflash.engine.reference.cache_plan import RoundPlan
 from pd_dflash.engine.reference.expert_store import HostExpertStore
 from pd_dflash.engine.reference.spans import SpanUnion
 
 Key = tuple[int, int]  # (layer, expert)
-POLICIES = ("lru", "lfu")
+POLICIES = ("plan", "lru", "lfu")
 
 
 @dataclass
@@ -71,6 +74,8 @@ class _Entry:
     pins: int = 0
     used: bool = False
     last_tick: int = 0
+    #: The last access found it resident and its transfer landed (a hit, not an in-flight hit or a miss).
+    ready_at_access: bool = False
 
 
 @dataclass
@@ -79,7 +84,7 @@ class ExpertCache:
     capacity_bytes: int
     device: torch.device
     compute_dtype: torch.dtype
-    policy: str = "lru"
+    policy: str = "plan"
     #: A link (HostLink / CudaLink); None = resident: every expert is loaded up front, nothing moves.
     link: object | None = None
     counters: CacheCounters = field(default_factory=CacheCounters)
@@ -105,6 +110,8 @@ class ExpertCache:
         self.inflight: list[_Entry] = []
         self.round = 0
         self._tick = 0
+        #: What the cache knows of the round it serves (every policy keeps it; ``plan`` evicts by it).
+        self.plan = RoundPlan(self.store.layer_ids)
         #: Host-clock intervals of the link's completed transfers ``(start, end, nbytes, demand)`` and of compute
         #: waiting for a transfer ``(start, end)``, on both devices; BM4 and the link time from them.
         self.transfer_log: list[tuple[float, float, int, bool]] = []
@@ -128,13 +135,21 @@ class ExpertCache:
     def begin_round(self) -> None:
         self.round += 1
 
+    def begin_layer(self, layer: int, needed: list[Key]) -> None:
+        """A verify layer starts: the plan now knows which layers have run and what this one still needs."""
+        self.plan.layer_started(layer, needed)
+
+    def end_round(self) -> None:
+        """The verify round is over: its keys become the plan's history."""
+        self.plan.end_round()
+
     # -- compute side --------------------------------------------------------------------------------------------
     def acquire(self, key: Key) -> _Entry | None:
         """Pin ``key`` for compute, fetching it on demand if absent. None when no slot can be freed right now
         (every slot pinned by this step): compute with what is pinned, release, then retry."""
         entry = self.entries.get(key)
         if entry is None:
-            slot = self._slot_for(demand=True)
+            slot = self._slot_for(demand=True, target=key)
             if slot is None:
                 return None
             entry = self._insert(key, slot, demand=True)
@@ -142,11 +157,13 @@ class ExpertCache:
         else:
             if entry.inserted_round < self.round:
                 self.counters.resident_at_round_start += 1
-            if entry.transfer is None or self.link.done(entry.transfer):
+            entry.ready_at_access = entry.transfer is None or self.link.done(entry.transfer)
+            if entry.ready_at_access:
                 self.counters.hits += 1
             else:
                 self.counters.inflight_hits += 1
                 self.link.promote(entry.transfer)
+        self.plan.record_use(key)
         self.counters.accesses += 1
         self.frequency[key] = self.frequency.get(key, 0) + 1
         entry.used = True
@@ -178,20 +195,30 @@ class ExpertCache:
         self.entries[key].pins -= 1
 
     # -- prefetch side -------------------------------------------------------------------------------------------
-    def prefetch(self, key: Key) -> bool:
-        """Start fetching ``key`` unless cached; refreshes recency if cached. False when dropped (no slot)."""
+    def prefetch(self, key: Key, *, speculative: bool = False) -> bool:
+        """Start fetching ``key`` unless cached, and reserve it for the round (the plan protects it until its
+        layer runs); refreshes recency if cached. False when no slot can be taken without evicting a reserved
+        key (counted as dropped: the caller may retry once a layer has run). ``speculative``: a low-confidence
+        guess (the AR prefetcher's) that may displace only keys the plan does not want."""
         entry = self.entries.get(key)
         if entry is not None:
             self._touch(entry)
+            self.plan.predict((key,))
             return True
         if self.link is None:
             return True  # resident: everything is cached
-        slot = self._slot_for(demand=False)
+        slot = self._slot_for(demand=False, target=key, speculative=speculative)
         if slot is None:
             self.counters.prefetch_dropped += 1
             return False
         self._insert(key, slot, demand=False)
+        self.plan.predict((key,))
         return True
+
+    def is_ready(self, key: Key) -> bool:
+        """Resident and its transfer landed."""
+        entry = self.entries.get(key)
+        return entry is not None and (entry.transfer is None or self.link.done(entry.transfer))
 
     # -- accounting ----------------------------------------------------------------------------------------------
     def collect(self) -> None:
@@ -281,10 +308,10 @@ class ExpertCache:
     def _evictable(self, entry: _Entry) -> bool:
         return entry.pins == 0 and (entry.transfer is None or self.link.done(entry.transfer))
 
-    def _slot_for(self, demand: bool) -> int | None:
+    def _slot_for(self, demand: bool, target: Key, speculative: bool = False) -> int | None:
         if self.free:
             return self.free.pop()
-        victim = self._victim()
+        victim = self._victim(None if demand else target, speculative)
         if victim is None and demand:
             # Every unpinned slot is still being written by a prefetch: wait for the oldest, then take it.
             waiting = [e for e in self.inflight if e.pins == 0 and e.transfer is not None]
@@ -298,7 +325,13 @@ class ExpertCache:
             return None
         return self._evict(victim)
 
-    def _victim(self) -> _Entry | None:
+    def _victim(self, prefetch_target: Key | None, speculative: bool = False) -> _Entry | None:
+        """The entry to evict (None: nothing evictable). ``prefetch_target``: the key a prefetch fetches (the plan
+        refuses to evict a reserved key for it); None for an on-demand fetch."""
+        if self.policy == "plan":
+            candidates = [(e.key, e.last_tick) for e in self.entries.values() if self._evictable(e)]
+            key = self.plan.choose(candidates, prefetch_target, speculative=speculative)
+            return None if key is None else self.entries[key]
         if self.policy == "lru":
             return next((e for e in self.entries.values() if self._evictable(e)), None)
         candidates = [e for e in self.entries.values() if self._evictable(e)]

@@ -72,6 +72,7 @@ def assemble(m: CellMeasurement, slo: SLO) -> EngineResult:
         latency=latency_stats({**samples, **round_samples(m)}),
         acceptance_histogram=dict(Counter(committed)),
         route_ahead=m.runtime.stats.as_dict() if m.runtime.prefetcher is not None else None,
+        prefetched_in_time_coverage=in_time_coverage(m.runtime),
         hide_inequality=hide,
         requests=len(m.requests),
         generated_tokens=sum(t.tokens for t in timed),
@@ -135,6 +136,15 @@ def prefetch_coverage(rt: OffloadRuntime) -> tuple[float | None, str | None]:
             "route_ahead_prefetch_coverage not reported: nothing was routed (coverage would be vacuous)"
         )
     return rt.stats.coverage, None
+
+
+def in_time_coverage(rt: OffloadRuntime) -> float | None:
+    """Σ|{k ∈ P∩A : resident and ready when the verify acquired it}| / Σ|A| over committed rounds; absent with
+    no prefetcher or nothing routed (the headline coverage's warning says why)."""
+    covered, actual = rt.in_time
+    if rt.prefetcher is None or actual == 0:
+        return None
+    return covered / actual
 
 
 def wasted_prefetch_bytes(rt: OffloadRuntime) -> tuple[float | None, str | None]:
@@ -246,10 +256,10 @@ def engine_facts(m: CellMeasurement, committed: list[int], overlap: dict[str, An
     return {
         **m.engine,
         **extra,
-        # Same prompts, same tokens: offloading must not change outputs (B0 and B3 rows carry equal digests).
+        # Same prompts, same tokens: offloading must not change outputs (equal digests at equal output lengths).
         "output_digest": hashlib.sha256(json.dumps([r.output for r in m.requests]).encode()).hexdigest()[:16],
         "batch": batch_facts(m.rounds),
-        "expert_cache": expert_cache_facts(rt, m.elapsed),
+        "expert_cache": expert_cache_facts(rt, m.elapsed, sum(r.timing.tokens for r in m.requests)),
     }
 
 
@@ -267,7 +277,12 @@ def batch_facts(rounds: list[RoundRecord]) -> dict[str, Any]:
     }
 
 
-def expert_cache_facts(rt: OffloadRuntime, elapsed: float) -> dict[str, Any]:
+def experts_moved_per_token(transfers: int, generated_tokens: int) -> float | None:
+    """Host→device expert transfers (on demand and prefetched) per generated token; None without tokens."""
+    return transfers / generated_tokens if generated_tokens else None
+
+
+def expert_cache_facts(rt: OffloadRuntime, elapsed: float, generated_tokens: int) -> dict[str, Any]:
     """The cache's geometry and every counter, with the rates and occupancy derived from them."""
     c, cache, store = rt.cache.counters, rt.cache, rt.store
     return {
@@ -281,6 +296,7 @@ def expert_cache_facts(rt: OffloadRuntime, elapsed: float) -> dict[str, Any]:
         # Found in the cache at all (ready or still in flight from a prefetch): no new transfer issued.
         "in_cache_rate": (c.hits + c.inflight_hits) / c.accesses if c.accesses else None,
         "exposed_fetch_fraction": c.exposed_seconds / elapsed,
+        "experts_moved_per_token": experts_moved_per_token(c.h2d_transfers, generated_tokens),
         "needed_experts_per_round_mean": sum(rt.needed_per_round) / max(1, len(rt.needed_per_round)),
         "occupancy_bytes_mean": sum(rt.occupancy_per_round) / max(1, len(rt.occupancy_per_round)),
         # Occupancy over time: end-of-round samples, at most 64 evenly spaced.

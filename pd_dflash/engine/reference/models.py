@@ -1,5 +1,6 @@
-"""Loading a target model (a trained preset, or a real checkpoint from a local path / the HF cache) and
-making its prompts (the preset's synthetic language, or a prompt file through the checkpoint's tokenizer)."""
+"""Loading a target model (a trained preset, or a real checkpoint streamed from a local path / the HF cache by
+``checkpoints.loader``) and making its prompts (the preset's synthetic language, or a prompt file through the
+checkpoint's tokenizer)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ class LoadedModel:
     language: SyntheticLanguage | None = None
     tokenizer: Any = None
     card: dict[str, Any] = field(default_factory=dict)
+    #: A checkpoint's host store (its experts are streamed into it at load; a preset's are moved into one by the
+    #: engine), its storage ("bf16", "mxfp4", ...), and the load's refusal when the store or the weights would
+    #: not fit (the model is then the ``meta`` skeleton: every cell is refused with the figures).
+    store: Any = None
+    storage: str | None = None
+    refusal: Any = None
     #: An instruct target: its prompts go through the tokenizer's chat template (``prompts.py``).
     chat: bool = False
 
@@ -51,9 +58,21 @@ class LoadedModel:
 
 
 def load_model(
-    model_id: str, preset: str | None, *, seed: int, cache_dir: str | None, dtype: str
+    model_id: str,
+    preset: str | None,
+    *,
+    seed: int,
+    cache_dir: str | None,
+    dtype: str,
+    path: str | None = None,
+    device: torch.device | None = None,
+    storage: str = "auto",
+    host_available_bytes: int | None = None,
+    device_available_bytes: int | None = None,
 ) -> LoadedModel:
-    """A preset when ``preset`` is set (or ``model_id`` names one), else a checkpoint, loaded on CPU."""
+    """A preset when ``preset`` is set (or ``model_id`` names one), loaded on CPU (the engine moves its experts
+    into a host store); else a real checkpoint, streamed: non-expert weights on ``device``, experts into the
+    host store as stored, after checking both fit (``*_available_bytes``; None: not checked)."""
     name = preset or (model_id if model_id in PRESETS else None)
     if name is not None:
         try:
@@ -64,39 +83,31 @@ def load_model(
         if dtype not in ("auto", "fp32"):
             model = model.to(DTYPES[dtype])
         return LoadedModel(model, family_of(model.config), "preset", name, language=p.language, card=card)
-    return load_checkpoint(model_id, dtype=dtype)
+    from pd_dflash.engine.reference.checkpoints.loader import load_checkpoint
 
-
-def load_checkpoint(path_or_id: str, *, dtype: str = "auto") -> LoadedModel:
-    """A real MoE checkpoint, strictly offline (``local_files_only=True``): a directory or an HF cache entry."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(path_or_id, local_files_only=True)
-    except OSError as exc:
-        raise InputError(
-            f"cannot load checkpoint {path_or_id!r} offline: {exc}. Use a local directory or a model already in "
-            "the HF cache, or set models[].preset to a reference preset "
-            f"({', '.join(PRESETS)})",
-            where="models[].id",
-        ) from None
-    try:
-        family = family_of(config)
-    except ValueError as exc:
-        raise InputError(str(exc), where="models[].id") from None
-    torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
-    model = AutoModelForCausalLM.from_pretrained(path_or_id, local_files_only=True, dtype=torch_dtype)
-    tokenizer = None
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path_or_id, local_files_only=True)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None  # prompts must then be synthetic token ids
-    card = {"checkpoint": str(path_or_id), "model_type": config.model_type}
-    chat = needs_chat_template(str(path_or_id), config.model_type)
+    device = device or torch.device("cpu")
+    loaded = load_checkpoint(
+        model_id,
+        path,
+        device=device,
+        dtype=dtype,
+        storage=storage,
+        pin=device.type == "cuda",
+        cache_dir=cache_dir,
+        host_available_bytes=host_available_bytes,
+        device_available_bytes=device_available_bytes,
+    )
     return LoadedModel(
-        model.eval(), family, "checkpoint", str(path_or_id), tokenizer=tokenizer, card=card, chat=chat
+        loaded.model,
+        loaded.family,
+        "checkpoint",
+        model_id,
+        tokenizer=loaded.tokenizer,
+        card=loaded.card,
+        store=loaded.store,
+        storage=loaded.card["storage"],
+        refusal=loaded.refusal,
+        chat=needs_chat_template(model_id, loaded.card["model_type"]),
     )
 
 

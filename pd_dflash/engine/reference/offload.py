@@ -94,6 +94,13 @@ class OffloadRuntime:
         self._observed: set[int] = set()
         #: Per MoE layer, over the verify forwards since the last reset: [Σ|P|, Σ|A|, Σ|P∩A|] (recall per layer).
         self.per_layer: dict[int, list[int]] = {}
+        #: Prefetched-in-time coverage over committed rounds: [Σ|{k ∈ P∩A: resident and ready when the verify
+        #: acquired it}|, Σ|A|], and the current round's share until it commits.
+        self.in_time = [0, 0]
+        self._round_in_time = [0, 0]
+        #: The verify access trace since the last reset: per round, per MoE layer (layer, experts needed in
+        #: acquisition order, experts predicted). ``benchmarks/cache_policy.py`` replays it offline.
+        self.trace: list[list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = []
 
     def attach(self, model: nn.Module) -> None:
         for layer in model.model.layers:
@@ -107,6 +114,7 @@ class OffloadRuntime:
         self.stats = RouteAheadStats()
         self.needed_per_round, self.occupancy_per_round = [], []
         self.per_layer = {}
+        self.in_time, self.trace = [0, 0], []
 
     # -- decode-loop hooks -------------------------------------------------------------------------------------
     def plan(self, blocks) -> bool:
@@ -115,6 +123,7 @@ class OffloadRuntime:
         if plan is None:
             return False
         plan(blocks)
+        self.prefetcher.after_plan(self.cache, blocks)
         return True
 
     def begin_round(self, owners: list[tuple[object, int]]) -> None:
@@ -122,6 +131,8 @@ class OffloadRuntime:
         self.cache.begin_round()
         self.stats.begin_step()
         self.round_needed, self.in_round, self._observed = 0, True, set()
+        self._round_in_time = [0, 0]
+        self.trace.append([])
         if self.prefetcher is not None:
             self.prefetcher.begin_round(self.cache, owners)
 
@@ -135,6 +146,8 @@ class OffloadRuntime:
         """After the accept rule: the kept rows of each request (AR keeps every row)."""
         self.in_round = False
         self.stats.commit_step(kept_rows, kept_spans=kept_spans)
+        self.in_time = [a + b for a, b in zip(self.in_time, self._round_in_time, strict=True)]
+        self.cache.end_round()
         end = getattr(self.prefetcher, "end_round", None)
         if end is not None:
             end(self.cache, kept_spans if kept_spans is not None else [(0, kept_rows)], finished or set())
@@ -183,18 +196,9 @@ class OffloadRuntime:
         rows = {e: slice(end - n, end) for e, end, n in zip(needed, ends, counts.tolist(), strict=True)}
         observe = self.in_round and layer not in self._observed
         prefetcher = self.prefetcher if observe else None
+        predicted: frozenset[int] = frozenset()
         if observe:
-            self._observed.add(layer)
-            self.round_needed += len(needed)
-            issued = prefetcher is not None and prefetcher.issue and not self.cache.resident
-            predicted = prefetcher.predicted.get(layer, frozenset()) if prefetcher is not None else ()
-            self.stats.observe_layer(
-                layer, predicted, top_k_index, expert_nbytes=self.store.nbytes_map(layer) if issued else None
-            )
-            counts = self.per_layer.setdefault(layer, [0, 0, 0])
-            counts[0] += len(predicted)
-            counts[1] += len(needed)
-            counts[2] += len(set(predicted) & set(needed))
+            predicted = self._observe(layer, needed, top_k_index)
         todo, window = deque(needed), deque()
 
         def fill() -> None:
@@ -202,6 +206,8 @@ class OffloadRuntime:
                 entry = self.cache.acquire((layer, todo[0]))
                 if entry is None:
                     return
+                if observe and todo[0] in predicted and entry.ready_at_access:
+                    self._round_in_time[0] += 1
                 window.append((todo.popleft(), entry))
 
         fill()
@@ -223,3 +229,22 @@ class OffloadRuntime:
         done = getattr(prefetcher, "layer_done", None)
         if done is not None:
             done(self.cache, layer)
+
+    def _observe(self, layer: int, needed: list[int], top_k_index: torch.Tensor) -> frozenset[int]:
+        """A verify layer starts: statistics, the plan, the trace; returns the layer's predicted experts."""
+        prefetcher = self.prefetcher
+        self._observed.add(layer)
+        self.round_needed += len(needed)
+        self.cache.begin_layer(layer, [(layer, e) for e in needed])
+        issued = prefetcher is not None and prefetcher.issue and not self.cache.resident
+        predicted = prefetcher.predicted.get(layer, frozenset()) if prefetcher is not None else frozenset()
+        self.stats.observe_layer(
+            layer, predicted, top_k_index, expert_nbytes=self.store.nbytes_map(layer) if issued else None
+        )
+        counts = self.per_layer.setdefault(layer, [0, 0, 0])
+        counts[0] += len(predicted)
+        counts[1] += len(needed)
+        counts[2] += len(predicted & set(needed))
+        self._round_in_time[1] += len(needed)
+        self.trace[-1].append((layer, tuple(needed), tuple(sorted(predicted))))
+        return frozenset(predicted)

@@ -21,7 +21,9 @@ class ReferenceOptions(BaseModel):
     #: CPU link emulation: each host→device expert transfer takes bytes/BW + latency of wall time.
     emulated_h2d_gbps: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
     emulated_latency_us: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
-    eviction: Literal["lru", "lfu"] = "lru"
+    #: Expert-cache eviction: the round plan (every configuration; docs/reference-engine.md "Offload"), or
+    #: plain LRU / LFU (ablations).
+    eviction: Literal["plan", "lru", "lfu"] = "plan"
     #: Device expert-cache capacity in bytes for offloaded cells (overrides memory.expert_cache_fraction).
     expert_cache_bytes: PositiveInt | None = None
     #: The AR prefetcher of B0/B1/B2 ("none" = on-demand fetches only).
@@ -33,13 +35,17 @@ class ReferenceOptions(BaseModel):
     #: How expert weights are stored in the host store and moved ("auto" = the compute dtype; fp8 = e4m3
     #: with a per-expert scale, dequantized on use).
     storage_dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
-    #: Route-ahead ablation: at the end of a verify, also prefetch the next round's likely experts (those the
-    #: request's kept rows routed), so they overlap the next draft.
-    cross_round_prefetch: bool = False
+    #: OURS's predictor is route-ahead ∪ history (what the request's rows routed in its last verify, issued
+    #: while the next block is drafted); false = route-ahead alone (an ablation).
+    route_ahead_history: bool = True
+    #: OURS: verify a prefix of the drafted block when the next row's new experts cost more link time than its
+    #: expected accepted token saves (lossless; needs a known link rate); "full" verifies every row.
+    verify_width: Literal["cost_aware", "full"] = "cost_aware"
     #: Deficit schedulers (B2: tokens; OURS: tokens and expert bytes). Budgets are per scheduling step (one
     #: batched verify); caps bound the carried deficit and must be ≥ the largest single demand.
-    #: Defaults: tokens budget = c·B, tokens cap = max(2·budget, longest prompt, B); bytes budget = the
-    #: cell's expert-cache capacity, bytes cap = the largest route-ahead fetch one round can make.
+    #: Defaults: tokens budget = c·B, tokens cap = max(2·budget, longest prompt, B); bytes budget = a rate,
+    #: the link's bytes per second of wall time between steps (absent without a known link rate; a value here
+    #: fixes it per step instead), bytes cap = the largest route-ahead fetch one round can make.
     scheduler_budget_tokens: PositiveInt | None = None
     scheduler_cap_tokens: PositiveInt | None = None
     scheduler_budget_bytes: PositiveInt | None = None

@@ -88,7 +88,7 @@ class ActivationAwarePrefetcher:
         self.predicted[layer] = frozenset(predicted)
         if self.issue:
             for e in sorted(predicted):
-                cache.prefetch((layer, e))
+                cache.prefetch((layer, e), speculative=True)
 
 
 def _top(scores: np.ndarray, k: int) -> list[int]:

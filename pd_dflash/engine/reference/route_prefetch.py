@@ -20,29 +20,35 @@ is the union over the block's rows. Measured recall of the candidate proxies (do
 every deeper layer of both mini presets. The row reports the recall reached (coverage, per layer in
 ``engine.prediction.per_layer``).
 
-**Issue** (``begin_round``, NVTX ``route_ahead_issue``). The predicted (layer, expert) keys of the verified
-blocks are issued in layer order, each pinned in the device cache until its layer has run, at most ``window``
-pinned at once (half the cache's slots by default, so the layer being computed always has room to stream).
-After each verify layer the pins of that layer are released and the next keys are issued: layer-pipelined
-issue, so the link works on layer l+1.. while layer l computes. A key already resident is pinned, not fetched.
-Anything not resident when its layer runs is fetched on demand (correct-on-miss): a misprediction costs link
-time and a slot, never correctness.
+**Predictor**: route-ahead ∪ history. A request's history is what its rows routed in its last verify, per layer
+(topics persist: 0.8 of a round's experts per layer come back in the next). ``history=False`` (an ablation)
+predicts from the router pass alone.
 
-**Cross-round prefetch** (``cross_round=True``, a design ablation): at the end of a verify, each continuing
-request's next-round likely experts — those its kept rows routed, per layer (topics persist) — are issued as
-ordinary prefetches, so they overlap the next draft; they join the next round's predicted set and mark its
-verify as in flight for the 2-D scheduler (its prefetch is already moving).
+**Issue as soon as the information exists**, in layer order, each key reserved in the cache's round plan
+(``cache_plan.py``: a reserved key of a layer still to run is never evicted by a prefetch):
+
+1. at the end of a verify (``end_round``), each continuing request's history — its non-resident keys go on the
+   link while the next block is drafted;
+2. right after the router pass (``plan``), the new blocks' predicted keys, before scheduling and admission;
+3. at the verify (``begin_round``), whatever of the verified blocks' prediction could not be issued yet, and
+   after every verify layer again (``after_layer``, ``layer_done``): a prefetch that finds no victim it may take
+   (every other slot reserved for a layer still to run) waits until a layer has run and frees its keys.
+
+A resident key is only reserved: it costs no issue capacity. A key whose layer starts before it was issued is
+dropped (``late``) and, if routed, fetched on demand (correct-on-miss): a misprediction costs link time and a
+slot, never correctness.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import time
 from collections.abc import Sequence
 
 import torch
 
 from pd_dflash.engine.nvtx_ranges import nvtx_range
 from pd_dflash.engine.reference.decode import Block, TargetModel
+from pd_dflash.engine.reference.verify_width import CostAwareWidth, new_bytes_per_row
 
 Key = tuple[int, int]
 
@@ -58,34 +64,56 @@ class RouteAheadPrefetcher:
         top_k: int,
         *,
         issue: bool = True,
-        window: int = 1,
-        cross_round: bool = False,
+        history: bool = True,
+        width: CostAwareWidth | None = None,
+        expert_nbytes: int = 0,
+        reuse_prefix: bool = True,
     ) -> None:
         layers = target.model.model.layers
-        self.target, self.top_k, self.issue, self.window = target, top_k, issue, max(1, window)
+        self.target, self.top_k, self.issue, self.use_history = target, top_k, issue, history
+        #: The verify resumes from the router pass's first-layer work (``decode.Prefix``) instead of redoing it.
+        self.reuse_prefix = reuse_prefix
+        #: Cost-aware verify width (``verify_width.py``), or None: every block is verified whole.
+        self.width, self.expert_nbytes = width, expert_nbytes
         self.layer_ids = list(layer_ids)
+        self.position = {layer: i for i, layer in enumerate(self.layer_ids)}
         self.routers = {i: getattr(layers[i].mlp, target.family.router_attr) for i in self.layer_ids}
         self.norms = {i: layers[i].post_attention_layernorm for i in self.layer_ids}
-        self.cross_round = cross_round
-        #: Per request: the predicted experts of its pending block, per layer.
+        #: Per request: the router pass's predicted experts of its pending block, per layer.
         self.routes: dict[object, dict[int, frozenset[int]]] = {}
-        #: Per request: cross-round experts already issued for its next round.
-        self.cross: dict[object, dict[int, frozenset[int]]] = {}
+        #: Per request: each row's predicted (layer, expert) keys, and whether its pending block is a prefill.
+        self.row_keys: dict[object, list[set[Key]]] = {}
+        self._prefill: set[object] = set()
+        self._last_end: float | None = None
+        #: Per request: the layers whose prediction came from the exact gate input (not a proxy).
+        self.exact: dict[object, frozenset[int]] = {}
+        #: Per request: the experts its rows routed in its last verify, per layer.
+        self.history: dict[object, dict[int, frozenset[int]]] = {}
+        #: The verified round's prediction per layer (what the statistics compare with the routing).
         self.predicted: dict[int, frozenset[int]] = {}
-        self._queue: deque[Key] = deque()
-        self._pins: dict[int, list[Key]] = {}
-        self._pinned = 0
+        self._queue: set[Key] = set()
+        #: The confident keys of the round being verified, and of the pending blocks (None: to recompute after a
+        #: router pass or a verify changed them; see ``_confident``).
+        self._sure: set[Key] = set()
+        self._pending_sure: set[Key] | None = None
         self._owners: list[tuple[object, int]] = []
         self._routed: dict[int, torch.Tensor] = {}
-        self.counters = {"issued": 0, "already_cached": 0, "dropped": 0, "late": 0, "cross_round_issued": 0}
+        self.counters = {
+            "issued": 0,
+            "already_cached": 0,
+            "waited_for_a_slot": 0,
+            "late": 0,
+            "history_issued": 0,
+        }
 
     def describe(self) -> dict:
         return {
             "prefetcher": self.name,
             "issues_fetches": self.issue,
-            "issue": "layer-pipelined, pinned until the layer runs",
-            "window_slots": self.window,
-            "cross_round_prefetch": self.cross_round,
+            "predictor": "route-ahead ∪ history" if self.use_history else "route-ahead",
+            "issue": "layer order, reserved in the cache's round plan: history at the end of a verify, the "
+            "router pass's prediction right after it, the rest after each verify layer",
+            "verify_width": self.width.describe() if self.width is not None else "full",
         }
 
     # -- router pass -------------------------------------------------------------------------------------------
@@ -95,115 +123,225 @@ class RouteAheadPrefetcher:
         if not blocks:
             return
         with nvtx_range("route_ahead_router"):
-            first = self.layer_ids[0]
-            need = [b for b in blocks if first not in b.gate_inputs]
-            if need:  # the exact gate input of the first MoE layer (its attention on the request's cache)
-                gate, residual = self.target.first_gate_inputs(need, first)
-                row = 0
-                for b in need:
-                    n = len(b.tokens)
-                    b.gate_inputs = {**b.gate_inputs, first: gate[0, row : row + n]}
-                    if b.route_hidden is None:  # prefill: no draft, the residual stream there is the proxy
-                        b.route_hidden = residual[0, row : row + n]
-                    row += n
-            spans, start = [], 0
-            for b in blocks:
-                spans.append((start, start + len(b.tokens)))
-                start += len(b.tokens)
-            stacked = torch.cat([b.route_hidden for b in blocks])
-            routes: list[dict[int, frozenset[int]]] = [{} for _ in blocks]
-            for layer in self.layer_ids:
-                exact = [b.gate_inputs.get(layer) for b in blocks]
-                if all(x is not None for x in exact):
-                    x = torch.cat(exact)
+            self._exact_first_layer(blocks)
+            for b, rows in zip(blocks, self._route(blocks), strict=True):
+                rid = b.request.rid
+                self.row_keys[rid], self.exact[rid] = rows, frozenset(b.gate_inputs)
+                self.routes[rid] = _union_per_layer(rows, self.layer_ids)
+                if b.prefill:
+                    self._prefill.add(rid)
                 else:
-                    x = self.norms[layer](stacked)
-                    for j, (s, e) in enumerate(spans):
-                        if exact[j] is not None:
-                            x[s:e] = exact[j]
-                ids = self.routers[layer](x)[2]  # [rows, k] router indices (Qwen3-MoE, Mixtral, gpt-oss)
+                    self._prefill.discard(rid)
+            self._pending_sure = None
+
+    def _exact_first_layer(self, blocks: list[Block]) -> None:
+        """The first MoE layer's exact gate input (its attention on the request's cache) for blocks without one;
+        a prefill (no draft) takes the residual stream there as the proxy of the deeper layers."""
+        first = self.layer_ids[0]
+        need = [b for b in blocks if first not in b.gate_inputs]
+        if not need:
+            return
+        gate, residual = self.target.first_gate_inputs(need, first, keep=self.reuse_prefix)
+        row = 0
+        for b in need:
+            n = len(b.tokens)
+            b.gate_inputs = {**b.gate_inputs, first: gate[0, row : row + n]}
+            if b.route_hidden is None:
+                b.route_hidden = residual[0, row : row + n]
+            row += n
+
+    def _route(self, blocks: list[Block]) -> list[list[set[Key]]]:
+        """Per block, per row, its predicted (layer, expert) keys: from the exact gate input where the block has
+        one, else from the proxy hidden state ``Block.route_hidden`` through the layer's own norm and router.
+        (A source of better proxies — e.g. a drafter's own hidden states per layer — plugs in by filling
+        ``Block.route_hidden`` or ``Block.gate_inputs``.)"""
+        spans, start = [], 0
+        for b in blocks:
+            spans.append((start, start + len(b.tokens)))
+            start += len(b.tokens)
+        stacked = torch.cat([b.route_hidden for b in blocks])
+        rows: list[list[set[Key]]] = [[set() for _ in range(e - s)] for s, e in spans]
+        for layer in self.layer_ids:
+            exact = [b.gate_inputs.get(layer) for b in blocks]
+            if all(x is not None for x in exact):
+                x = torch.cat(exact)
+            else:
+                x = self.norms[layer](stacked)
                 for j, (s, e) in enumerate(spans):
-                    routes[j][layer] = frozenset(torch.unique(ids[s:e]).tolist())
-            for b, r in zip(blocks, routes, strict=True):
-                self.routes[b.request.rid] = r
+                    if exact[j] is not None:
+                        x[s:e] = exact[j]
+            ids = self.routers[layer](x)[2].tolist()  # [rows, k] router indices (Qwen3-MoE, Mixtral, gpt-oss)
+            for j, (s, e) in enumerate(spans):
+                for i in range(e - s):
+                    rows[j][i].update((layer, int(x)) for x in ids[s + i])
+        return rows
 
     def keys(self, rid: object) -> set[Key]:
-        """(layer, expert) keys the request's pending block is predicted to need (cross-round ones included)."""
-        out = {(layer, e) for layer, es in self.routes.get(rid, {}).items() for e in es}
-        out |= {(layer, e) for layer, es in self.cross.get(rid, {}).items() for e in es}
-        return out
+        """(layer, expert) keys the request's pending block is predicted to need (route-ahead ∪ history)."""
+        return {(layer, e) for layer, es in self._prediction(rid).items() for e in es}
 
     def in_flight(self, rid: object) -> bool:
-        """A cross-round prefetch for this request's round is already on the link."""
-        return rid in self.cross
+        """The verify completes within its scheduling step: no round is ever in flight."""
+        return False
+
+    def after_plan(self, cache, blocks: list[Block]) -> None:
+        """Cut the new blocks to their cost-aware width, then issue their predicted keys right after the router
+        pass (before scheduling)."""
+        if self.width is not None:
+            for b in blocks:
+                if not b.prefill:
+                    self._cut(b, cache)
+        for b in blocks:
+            self._enqueue(self.keys(b.request.rid))
+        self._pump(cache)
 
     # -- the verify --------------------------------------------------------------------------------------------
     def begin_round(self, cache, owners: list[tuple[object, int]]) -> None:
-        """Before the verify forward: the predicted sets of the verified blocks, issued in layer order."""
+        """Before the verify forward: the verified blocks' prediction, reserved and issued in layer order."""
         self._owners, self._routed = owners, {}
         predicted: dict[int, set[int]] = {layer: set() for layer in self.layer_ids}
+        self._sure, self._pending_sure = self._confident_of([rid for rid, _ in owners]), None
         for rid, _ in owners:
-            for source in (self.routes.pop(rid, {}), self.cross.pop(rid, {})):
-                for layer, es in source.items():
-                    predicted[layer] |= es
+            for layer, es in self._prediction(rid).items():
+                predicted[layer] |= es
+            self.routes.pop(rid, None)
         self.predicted = {layer: frozenset(es) for layer, es in predicted.items()}
-        self._queue = deque((layer, e) for layer in self.layer_ids for e in sorted(predicted[layer]))
-        if self.issue and not cache.resident:
-            with nvtx_range("route_ahead_issue"):
-                self._pump(cache)
+        keys = {(layer, e) for layer, es in predicted.items() for e in es}
+        cache.plan.predict(keys & self._sure)  # the others are reserved once prefetched (``_pump``)
+        self._enqueue(keys)
+        self._pump(cache)
 
     def after_layer(self, cache, layer: int, routed: torch.Tensor) -> None:
         """Layer ``layer`` has acquired its experts and computes now: its unissued keys are moot (fetched on
         demand); keep the link busy with the next layers' keys."""
-        if self.cross_round:
-            self._routed[layer] = routed.detach()
-        while self._queue and self._queue[0][0] <= layer:
-            self._queue.popleft()
-            self.counters["late"] += 1
-        if self.issue and not cache.resident:
-            self._pump(cache)
+        self._routed[layer] = routed.detach()
+        late = {k for k in self._queue if self.position[k[0]] <= self.position[layer]}
+        self.counters["late"] += len(late)
+        self._queue -= late
+        self._pump(cache)
 
     def layer_done(self, cache, layer: int) -> None:
-        for key in self._pins.pop(layer, []):
-            cache.unpin(key)
-            self._pinned -= 1
-        if self.issue and not cache.resident:
-            self._pump(cache)
+        self._pump(cache)
 
     def end_round(self, cache, kept_spans: list[tuple[int, int]], finished: set) -> None:
-        for layer in list(self._pins):  # a layer that did not run (cannot happen in a full forward)
-            self.layer_done(cache, layer)
+        """Each continuing request's history becomes what its rows routed; issue it for its next round."""
         self._queue.clear()
-        if not self.cross_round or not self._routed:
+        self._sure, self._pending_sure = set(), None
+        self._measure_round(kept_spans)
+        row = 0
+        for rid, rows in self._owners:
+            if rid not in finished and self._routed:
+                self.history[rid] = {
+                    layer: frozenset(torch.unique(r[row : row + rows]).tolist())
+                    for layer, r in self._routed.items()
+                }
+            row += rows
+        if not self.use_history:
             return
-        for (rid, _), (start, stop) in zip(self._owners, kept_spans, strict=True):
-            if rid in finished:
-                continue
-            nxt = {
-                layer: frozenset(torch.unique(r[start:stop]).tolist()) for layer, r in self._routed.items()
-            }
-            self.cross[rid] = nxt
-            if self.issue and not cache.resident:
-                with nvtx_range("route_ahead_issue"):
-                    for layer in self.layer_ids:
-                        for e in sorted(nxt.get(layer, ())):
-                            if not cache.contains((layer, e)):
-                                self.counters["cross_round_issued"] += 1
-                            cache.prefetch((layer, e))
+        keys = {k for rid, _ in self._owners if rid not in finished for k in self.keys(rid)}
+        self.counters["history_issued"] += sum(1 for k in keys if not cache.contains(k))
+        self._enqueue(keys)
+        self._pump(cache)
 
     def forget(self, rid: object) -> None:
-        self.routes.pop(rid, None)
-        self.cross.pop(rid, None)
+        for table in (self.routes, self.history, self.exact, self.row_keys):
+            table.pop(rid, None)
+        self._pending_sure = None
+        self._prefill.discard(rid)
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    def _cut(self, block: Block, cache) -> None:
+        """Verify only the rows worth their new experts (``verify_width.py``); lossless."""
+        rid = block.request.rid
+        rows = self.row_keys[rid]
+        keep = self.width.width(new_bytes_per_row(rows, cache.contains, self.expert_nbytes, cache.num_slots))
+        if keep == len(block.tokens):
+            return
+        self.target.release_prefix(block)
+        block.tokens, block.drafts = block.tokens[:keep], block.drafts[: keep - 1]
+        if block.draft_probs is not None:
+            block.draft_probs = block.draft_probs[: keep - 1]
+        if block.route_hidden is not None:
+            block.route_hidden = block.route_hidden[:keep]
+        block.gate_inputs = {layer: x[:keep] for layer, x in block.gate_inputs.items()}
+        self.row_keys[rid] = rows[:keep]
+        self.routes[rid] = _union_per_layer(rows[:keep], self.layer_ids)
+        self._pending_sure = None
+
+    def _measure_round(self, kept_spans: list[tuple[int, int]]) -> None:
+        """Acceptance per verified block and seconds per committed token, for the cost-aware width."""
+        now = time.perf_counter()
+        if self.width is not None and self._last_end is not None:
+            outcomes = [
+                ((stop - start) - 1, rows)
+                for (rid, rows), (start, stop) in zip(self._owners, kept_spans, strict=True)
+                if rid not in self._prefill
+            ]
+            committed = sum(stop - start for start, stop in kept_spans)
+            if outcomes:
+                self.width.observe(outcomes, now - self._last_end, committed)
+        self._last_end = now
+
+    def _prediction(self, rid: object) -> dict[int, frozenset[int]]:
+        """route-ahead ∪ history of the request, per layer; a layer predicted from its exact gate input takes
+        the router pass alone (it is the verify's routing: history would add only misses). Before the router
+        pass (between a verify and the next draft) it is the history."""
+        route = self.routes.get(rid, {})
+        hist = self.history.get(rid, {}) if self.use_history else {}
+        exact = self.exact.get(rid, frozenset()) if rid in self.routes else frozenset()
+        return {
+            layer: route.get(layer, frozenset())
+            if layer in exact
+            else route.get(layer, frozenset()) | hist.get(layer, frozenset())
+            for layer in self.layer_ids
+        }
+
+    def _enqueue(self, keys) -> None:
+        if self.issue:
+            self._queue |= set(keys)
+
+    def _confident(self) -> set[Key]:
+        """Keys worth displacing a computed key for: an exact layer's, or predicted by both route-ahead and
+        history (of the pending blocks and of the round being verified). The others (one source, a proxy layer)
+        are prefetched only into slots the plan does not want."""
+        if self._pending_sure is None:
+            self._pending_sure = self._confident_of(self.routes)
+        return self._pending_sure | self._sure
+
+    def _confident_of(self, rids) -> set[Key]:
+        out: set[Key] = set()
+        for rid in rids:
+            hist, exact = self.history.get(rid, {}), self.exact.get(rid, frozenset())
+            for layer, es in self.routes.get(rid, {}).items():
+                sure = es if layer in exact else es & hist.get(layer, frozenset())
+                out |= {(layer, e) for e in sure}
+        return out
 
     def _pump(self, cache) -> None:
-        while self._queue and self._pinned < self.window:
-            key = self._queue[0]
-            cached = cache.contains(key)
-            if not cache.prefetch(key):
-                self.counters["dropped"] += 1
-                return  # every slot pinned or in flight: retry after the next layer
-            self._queue.popleft()
-            self.counters["already_cached" if cached else "issued"] += 1
-            if cache.pin(key):
-                self._pins.setdefault(key[0], []).append(key)
-                self._pinned += 1
+        """Issue queued keys in layer order until one finds no slot it may take (retried after the next layer)."""
+        if not self.issue or cache.resident or not self._queue:
+            return
+        confident = self._confident()
+        speculative_blocked = False  # a speculative prefetch found no unwanted slot: no later one will either
+        with nvtx_range("route_ahead_issue"):
+            for key in sorted(self._queue, key=lambda k: (self.position[k[0]], k[1])):
+                cached = cache.contains(key)
+                sure = key in confident
+                if not sure and speculative_blocked and not cached:
+                    continue
+                if not cache.prefetch(key, speculative=not sure):
+                    self.counters["waited_for_a_slot"] += 1
+                    if sure:
+                        return
+                    speculative_blocked = True
+                    continue
+                self._queue.discard(key)
+                self.counters["already_cached" if cached else "issued"] += 1
+
+
+def _union_per_layer(rows: list[set[Key]], layer_ids: Sequence[int]) -> dict[int, frozenset[int]]:
+    out: dict[int, set[int]] = {layer: set() for layer in layer_ids}
+    for keys in rows:
+        for layer, e in keys:
+            out[layer].add(e)
+    return {layer: frozenset(es) for layer, es in out.items()}

@@ -184,10 +184,10 @@ def test_calls_per_configuration(monkeypatch, spec):
 def test_b3_gets_its_own_resident_load(monkeypatch, spec):
     fake, engine = _engine(monkeypatch, spec, load_group="resident")
     assert _calls(fake, "MoE")[0]["config"]["device_memory_ratio"] == 0.98
-    assert _calls(fake, "DFlashSpeculator") == []  # B3 is autoregressive: no drafter on the resident load
-    result = run(engine, cell(spec, "B3", concurrency=1))
+    assert len(_calls(fake, "DFlashSpeculator")) == 1  # B3 is speculative: the drafter on the resident load
+    result = run(engine, cell(spec, "B3", 8, concurrency=1))
     assert result.status is Status.PARTIAL  # coverage of MoE-Infinity's AR prefetcher is not observable
-    assert result.acceptance_length_a == 1.0
+    assert result.engine["configuration"]["route_ahead"] is False  # B1's path, every expert resident
     with pytest.raises(RuntimeError, match="separate_resident_load"):
         run(engine, cell(spec, "B0", concurrency=1))
 

@@ -57,7 +57,7 @@ def test_local_sweep_with_the_fake_gives_a_full_matrix(tmp_path, tokenizer_dir):
     rows, torn = read_rows(out / "rows.jsonl")
     assert torn is None
     assert {r.cell_id for r in rows} == {c.cell_id for c in expand(spec)}
-    assert len(rows) == len(expand(spec)) == 16
+    assert len(rows) == len(expand(spec)) == 18  # B0 once per c; B1, B2, B3, OURS per block size
     for row in rows:
         assert_row_consistent(row, spec)  # every metric agrees with the row's own raw terms
         assert row.generated_tokens == 4 * 16  # ignore_eos: every request generates max_new_tokens

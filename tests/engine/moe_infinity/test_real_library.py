@@ -229,8 +229,8 @@ def test_tokenizer_trusts_remote_code_only_when_the_spec_says_so(monkeypatch, tm
 
 
 def test_autoregressive_rows_carry_no_route_ahead_counts(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, load_group="resident")
-    row = _row(spec, "B3", 4, 1, run(engine, cell(spec, "B3", concurrency=1)))
+    _, engine = _engine(monkeypatch, spec)
+    row = _row(spec, "B0", 4, 1, run(engine, cell(spec, "B0", concurrency=1)))  # B0: the one AR configuration
     assert row.route_ahead is None
     assert "route_ahead_observer" not in row.engine and "route_ahead_bindings" not in row.engine
     assert row.cost_terms.route_ahead_coverage is None

@@ -55,9 +55,12 @@ def test_run_cell_returns_a_valid_row(micro_rows, baseline, concurrency):
     cell, result = micro_rows[(baseline, concurrency)]
     row = Row.from_result(cell, result)
     assert row.status == Status.OK, row.warnings
-    assert row.acceptance_length_a == 1.0 and row.acceptance_histogram == {
-        1: sum(row.acceptance_histogram.values())
-    }
+    if baseline == "B0":  # AR: one token per round, measured
+        assert row.acceptance_length_a == 1.0 and row.acceptance_histogram == {
+            1: sum(row.acceptance_histogram.values())
+        }
+    else:  # B3: speculative with every expert resident (upstream's B3)
+        assert 1.0 < row.acceptance_length_a <= cell.block_size and row.t_draft_seconds > 0
     assert row.generated_tokens == WORKLOAD["requests"] * WORKLOAD["max_new_tokens"]
     assert row.output_tokens_per_second > 0 and row.goodput_at_slo == pytest.approx(
         row.output_tokens_per_second

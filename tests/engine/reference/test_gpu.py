@@ -73,7 +73,7 @@ def spec_for(baselines, fraction, options, temperature=0.0):
 #: name: (baselines, engine options, temperature)
 GROUPS = {
     "lru": (("B1", "B2", "OURS"), {}, 0.0),
-    "cross_round": (("OURS",), {"cross_round_prefetch": True}, 0.0),
+    "full_width": (("OURS",), {"verify_width": "full"}, 0.0),  # OURS's history prefetch is always on now
     "lfu": (("B1", "B2", "OURS"), {"eviction": "lfu"}, 0.0),
     "fp8": (("B1", "B2", "OURS"), {"storage_dtype": "fp8"}, 0.0),
     "sampled": (("B1", "OURS"), {}, 1.0),
@@ -159,7 +159,8 @@ def test_the_next_draft_starts_before_cross_round_prefetches_finish(tmp_path):
     """No device-wide synchronization: the host ends a round and starts the next draft while the prefetches
     issued at the end of the verify are still on the link."""
     big_expert_checkpoint(tmp_path / "ckpt")
-    options = {"drafter": "early_exit", "early_exit_layers": 1, "cross_round_prefetch": True}
+    # OURS issues each request's history (its last verify's experts) at the end of the verify (issue 11).
+    options = {"drafter": "early_exit", "early_exit_layers": 1, "route_ahead_history": True}
     spec = parse_spec(
         {
             "name": "gpu-cross-round",

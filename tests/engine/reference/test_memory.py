@@ -113,7 +113,12 @@ def test_a_cell_whose_cache_and_kv_do_not_fit_the_device_is_refused_with_the_fig
     engine.close()
 
 
-def test_a_runner_needs_its_checkpoint_files_in_host_memory(tmp_path):
+def test_a_runner_needs_its_experts_as_stored_and_its_other_weights_in_host_memory(tmp_path):
+    """The streaming loader's peak (CPU device): the experts as the checkpoint stores them, plus the non-expert
+    weights in the compute dtype."""
+    import shutil
+
+    from pd_dflash.engine.reference.checkpoints.tiny import materialise
     from pd_dflash.engine.reference.host_memory import runner_host_memory_bytes
     from pd_dflash.spec import ModelSpec
     from tests.engine.reference.conftest import tiny_model
@@ -121,12 +126,17 @@ def test_a_runner_needs_its_checkpoint_files_in_host_memory(tmp_path):
     ckpt = tmp_path / "ckpt"
     tiny_model("qwen3_moe").save_pretrained(str(ckpt))  # fp32 weights
     files = sum(len(f.read_bytes()) for f in ckpt.glob("*.safetensors"))
+    experts = (
+        2 * 8 * 3 * 32 * 16 * 4
+    )  # layers × experts × (gate, up, down) × hidden × moe_intermediate × fp32
     assert runner_host_memory_bytes(ModelSpec(id=str(ckpt))) == files
-    assert runner_host_memory_bytes(ModelSpec(id=str(ckpt), engine_options={"dtype": "bf16"})) == files // 2
+    # bf16 compute: the experts stay as stored (fp32), the other weights halve.
+    bf16 = ModelSpec(id=str(ckpt), engine_options={"dtype": "bf16"})
+    assert runner_host_memory_bytes(bf16) == experts + (files - experts) // 2
     assert runner_host_memory_bytes(ModelSpec(id="micro", preset="micro")) is None  # a preset: a few MB
     assert runner_host_memory_bytes(ModelSpec(id=str(tmp_path / "nowhere"))) is None  # not on this box
-    config = (ckpt / "config.json").read_text()
-    (ckpt / "config.json").write_text(
-        config.replace("{", '{"quantization_config": {"quant_method": "mxfp4"},', 1)
-    )
-    assert runner_host_memory_bytes(ModelSpec(id=str(ckpt))) is None  # loaded size is not the files' size
+    # MXFP4 experts count as stored: 8 experts × 2 layers × 6,912 B.
+    gpt_oss = tmp_path / "gpt-oss"
+    shutil.copytree(materialise("tiny-real-gpt-oss"), gpt_oss)
+    files = sum(len(f.read_bytes()) for f in gpt_oss.glob("*.safetensors"))
+    assert runner_host_memory_bytes(ModelSpec(id="openai/gpt-oss-20b", path=str(gpt_oss))) == files

@@ -32,7 +32,7 @@ WORKLOAD = {"requests": 4, "warmup_rounds": 1, "max_new_tokens": 40, "prompt_tok
 
 
 def spec_for(
-    drafter, baselines=("B0", "B1", "B2", "OURS"), concurrency=(1, 4), block_sizes=(8, 16), **options
+    drafter, baselines=("B0", "B1", "B2", "B3", "OURS"), concurrency=(1, 4), block_sizes=(8, 16), **options
 ):
     spec = make_spec(
         baselines=baselines,
@@ -56,7 +56,7 @@ def rows_by_drafter(request, micro):
 
 
 def test_greedy_speculative_output_equals_greedy_ar_for_every_configuration(rows_by_drafter):
-    """The test that proves the engine right: B1, B2 and OURS, B ∈ {8, 16}, c ∈ {1, 4}, each drafter."""
+    """The test that proves the engine right: B1, B2, B3 and OURS, B ∈ {8, 16}, c ∈ {1, 4}, each drafter."""
     drafter, rows = rows_by_drafter
     reference = rows[("B0", 8, 1)].engine["output_digest"]
     assert rows[("B0", 8, 4)].engine["output_digest"] == reference
@@ -73,7 +73,7 @@ def test_greedy_speculative_output_equals_greedy_ar_for_every_configuration(rows
             assert sum(k * v for k, v in hist.items()) / sum(hist.values()) == pytest.approx(
                 row.acceptance_length_a
             )
-    assert checked == 3 * 2 * 2
+    assert checked == 4 * 2 * 2
 
 
 def test_speculative_rows_carry_the_round_timings_bm1_and_hide_inequality(rows_by_drafter):
@@ -258,3 +258,44 @@ def test_early_exit_speculation_is_lossless_beyond_the_sliding_window(family, bl
         got = serve(SpeculativeDecoding(EarlyExitDrafter(target, 1), block_size), concurrency)
         assert got == want, concurrency
     rt.close()
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_the_verify_resuming_from_the_router_pass_is_bit_identical(family):
+    """Route-ahead's router pass keeps its first-layer work (``Prefix``); the verify resumes from it instead of
+    recomputing it: logits and KV caches equal, bit for bit, to a verify from scratch (two requests at once,
+    past gpt-oss's sliding window)."""
+    model = tiny_model(family, seed=1)
+    target = TargetModel(model, family_of(model.config), CPU)
+    prompts = [list(range(3, 15)), [7, 1, 9, 4, 22, 5, 5, 13, 2, 30]]
+
+    def requests():
+        out = []
+        for i, p in enumerate(prompts):
+            r = Request(f"r{i}", p, 8, cache=target.new_cache())
+            r.cache.activate_past_recording()  # as the engine does for speculative requests
+            target.forward([Block(r, p, len(p) - 1)])
+            out.append(r)
+        return out
+
+    blocks = lambda rs: [Block(r, [5, 6, 7, 8, 9, 10], 0) for r in rs]  # noqa: E731
+    plain, resumed = requests(), requests()
+    want, _ = target.forward(blocks(plain))
+    kept = blocks(resumed)
+    target.first_gate_inputs(kept, 0, keep=True)
+    assert all(b.prefix is not None for b in kept)
+    got, _ = target.forward(kept)
+    assert all(b.prefix is None for b in kept)  # consumed
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    for a, b in zip(plain, resumed, strict=True):
+        assert a.cached == b.cached
+        for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+            assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+    # A block verified with one that kept nothing: its prefix is dropped (KV rolled back), then recomputed.
+    mixed = requests()
+    first, second = blocks(mixed)
+    target.first_gate_inputs([first], 0, keep=True)
+    got, _ = target.forward([first, second])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from pd_dflash.engine.reference.checkpoints.resolve import hub_snapshot
 from pd_dflash.errors import InputError
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -216,12 +217,6 @@ def drafter_problems(
     return problems
 
 
-def hub_cache(env: Mapping[str, str]) -> Path:
-    if env.get("HF_HUB_CACHE"):
-        return Path(env["HF_HUB_CACHE"]).expanduser()
-    return Path(env.get("HF_HOME") or Path.home() / ".cache" / "huggingface").expanduser() / "hub"
-
-
 def resolve_drafter(draft: str, env: Mapping[str, str] | None = None) -> tuple[Path | None, list[str]]:
     """(directory or None, where it was looked for) of ``models[].draft``: a local directory, or a hub id
     already in the Hugging Face cache (``HF_HUB_CACHE`` / ``HF_HOME``). Never downloads."""
@@ -231,14 +226,10 @@ def resolve_drafter(draft: str, env: Mapping[str, str] | None = None) -> tuple[P
         return local, [str(local)]
     tried = [str(local)]
     if draft.count("/") == 1 and not draft.startswith((".", "/", "~")):
-        repo = hub_cache(env) / ("models--" + draft.replace("/", "--"))
+        snap, repo = hub_snapshot(draft, env)
         tried.append(str(repo))
-        ref = repo / "refs" / "main"
-        snaps = sorted(p for p in (repo / "snapshots").glob("*") if p.is_dir()) if repo.is_dir() else []
-        if ref.is_file() and (repo / "snapshots" / ref.read_text().strip()).is_dir():
-            return repo / "snapshots" / ref.read_text().strip(), tried
-        if len(snaps) == 1:
-            return snaps[0], tried
+        if snap is not None:
+            return snap, tried
     return None, tried
 
 

@@ -1,7 +1,7 @@
 """The engine's side of a published DFlash drafter: find ``models[].draft`` (a directory, a hub id in the HF
 cache, or ``tiny-real-dflash``), load it once per runner on the target, and build each speculative cell's
-decoding from it. A drafter that is missing or does not fit its target refuses the speculative cells (B0/B3
-still run); ``pd-dflash plan`` has already refused it when the files were visible there (``config.check_drafter``).
+decoding from it. A drafter that is missing or does not fit its target refuses the speculative cells (B0
+still runs); ``pd-dflash plan`` has already refused it when the files were visible there (``config.check_drafter``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,50 @@
+"""MXFP4 (OCP microscaling FP4) experts as gpt-oss publishes them, dequantised on the device where they are
+computed.
+
+Each group of 32 weights is 16 bytes of packed E2M1 codes (low nibble first) and one E8M0 scale byte
+(exponent + 127). Dequantisation follows transformers' ``convert_moe_packed_tensors`` operation for operation
+(lookup table in the target dtype, ``ldexp`` by the scale), so the weights are bit-identical to what
+transformers computes (tested); it runs per expert on the expert's slot, after its transfer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: E2M1 code → value (sign bit 3), as in the OCP MX specification.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_LUTS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _lut(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (dtype, device)
+    if key not in _LUTS:
+        _LUTS[key] = torch.tensor(FP4_VALUES, dtype=dtype, device=device)
+    return _LUTS[key]
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``blocks [..., R, G, 16]`` (uint8) and ``scales [..., R, G]`` → weights ``[..., G·32, R]`` in ``dtype``
+    (the transposed layout gpt-oss's experts multiply with: ``x @ w``)."""
+    *prefix, rows, groups, nbytes = blocks.shape
+    if tuple(scales.shape) != (*prefix, rows, groups):
+        raise ValueError(f"MXFP4 scales {tuple(scales.shape)} do not match blocks {tuple(blocks.shape)}")
+    lut = _lut(dtype, blocks.device)
+    flat = blocks.reshape(-1, nbytes)
+    out = torch.empty(flat.shape[0], nbytes * 2, dtype=dtype, device=blocks.device)
+    out[:, 0::2] = lut[(flat & 0x0F).to(torch.int)]
+    out[:, 1::2] = lut[(flat >> 4).to(torch.int)]
+    torch.ldexp(out, scales.reshape(-1, 1).to(torch.int32) - 127, out=out)
+    return out.view(*prefix, rows, groups * nbytes * 2).transpose(-1, -2).contiguous()
+
+
+def expert_weights(slot: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """One gpt-oss expert's compute tensors ``[gate_up [H, 2I], gate_up_bias, down [I, H], down_bias]`` from its
+    stored parts ``[gate_up blocks, scales, bias, down blocks, scales, bias]``."""
+    gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = slot
+    return [
+        dequantize(gu_blocks, gu_scales, dtype),
+        gu_bias if gu_bias.dtype == dtype else gu_bias.to(dtype),
+        dequantize(d_blocks, d_scales, dtype),
+        d_bias if d_bias.dtype == dtype else d_bias.to(dtype),
+    ]

@@ -1,0 +1,160 @@
+"""The round plan's eviction order, the offline replay (LRU, LFU, plan, Belady) on hand-built traces, and the
+metrics built on the cache: prefetched-in-time coverage and experts moved per token, each computed a second way."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pd_dflash.engine.reference.cache_plan import COMPUTED, HISTORY, NOT_WANTED, NOW, PREDICTED, RoundPlan
+from pd_dflash.engine.reference.cache_replay import replay
+from pd_dflash.engine.reference.expert_cache import ExpertCache
+from pd_dflash.engine.reference.link import HostLink
+from pd_dflash.engine.reference.metrics import experts_moved_per_token
+from pd_dflash.engine.reference.offload import OffloadRuntime
+from tests.engine.reference.test_expert_cache import store
+
+CPU = torch.device("cpu")
+
+
+def test_eviction_order_follows_the_round():
+    plan = RoundPlan([0, 1, 2])
+    plan.history = {(0, 1), (2, 1), (2, 2)}
+    plan.predict({(1, 0), (2, 0)})
+    plan.layer_started(0, [(0, 0), (0, 1)])
+    plan.record_use((0, 0))
+    plan.record_use((0, 1))
+    plan.layer_started(1, [(1, 0), (1, 3)])
+    plan.record_use((1, 0))
+    assert plan.classify((0, 2)) == (NOT_WANTED, 0)  # computed layer, unused this round
+    assert plan.classify((0, 1)) == (COMPUTED, 3)  # used by the last round too: kept longer
+    assert plan.classify((1, 0)) == (COMPUTED, -1)  # new this round, and the layer computed last
+    assert plan.classify((1, 3)) == (NOW, -1)  # this layer still has to acquire it
+    assert plan.classify((2, 1)) == (HISTORY, -2)
+    assert plan.classify((2, 0)) == (PREDICTED, -2)
+    assert plan.classify((2, 3)) == (NOT_WANTED, 0)
+    keys = [(0, 2), (0, 1), (1, 0), (1, 3), (2, 1), (2, 0), (2, 3)]
+    order = []
+    candidates = [(k, i) for i, k in enumerate(keys)]
+    while candidates:
+        victim = plan.choose(candidates, None)
+        order.append(victim)
+        candidates = [(k, t) for k, t in candidates if k != victim]
+    assert order == [(0, 2), (2, 3), (1, 0), (0, 1), (2, 1), (2, 0), (1, 3)]
+
+
+def test_a_prefetch_never_evicts_a_predicted_key_of_a_layer_still_to_run():
+    plan = RoundPlan([0, 1, 2])
+    plan.history = {(2, 1)}
+    plan.predict({(1, 0), (2, 0)})
+    only_predicted = [((1, 0), 0), ((2, 0), 1)]
+    assert plan.choose(only_predicted, (1, 5)) is None
+    assert plan.choose(only_predicted, None) == (2, 0)  # on demand: the farthest layer's, as a last resort
+    # Nor a key the last round used at a layer still to run (the round will likely need it again).
+    assert plan.choose([((2, 1), 0)], (1, 5)) is None
+    assert plan.choose([((2, 1), 0)], None) == (2, 1)
+    # A speculative guess (the AR prefetcher's) displaces only what the plan does not want.
+    plan.layer_started(0, [])
+    plan.record_use((0, 3))
+    assert plan.choose([((0, 3), 0)], (1, 5)) == (0, 3)
+    assert plan.choose([((0, 3), 0)], (1, 5), speculative=True) is None
+
+
+def cyclic(rounds: int) -> list:
+    """Every round needs the same 3 experts in each of 2 layers (6 keys; a 4-slot cache cannot hold them)."""
+    return [[(0, (0, 1, 2), ()), (1, (0, 1, 2), ())] for _ in range(rounds)]
+
+
+def test_replay_misses_by_hand_on_a_cyclic_sweep():
+    trace = cyclic(3)  # 18 accesses
+    # LRU evicts exactly the key needed next: every access misses.
+    assert replay(trace, 4, "lru") == 18
+    # Belady, by hand (a layer's acquired keys stay pinned until the layer ends). Round 1: 6 cold misses, and
+    # B1, B2 evict A2, A1 (needed last), leaving {A0, B0, B1, B2}. Round 2: A0 hits; A1, A2 evict B2, B1 (B0 is
+    # needed first); B0 hits; B1, B2 evict A2, A1: 4 misses, same state. Round 3: 4 again. 6 + 4 + 4.
+    assert replay(trace, 4, "belady") == 14
+    # The plan keeps the last round's keys of the layer still to run and evicts the most recently computed
+    # layer's first (the cyclic-sweep rule): Belady's count here.
+    assert replay(trace, 4, "plan") == 14
+    assert replay(trace, 6, "lru") == replay(trace, 6, "belady") == 6  # everything fits: only cold misses
+
+
+def test_replay_with_prediction_uses_the_reserved_keys():
+    # Layer 1 alternates between two expert sets; the trace's prediction names the right one each round.
+    trace = []
+    for r in range(6):
+        ones = (0, 1) if r % 2 == 0 else (2, 3)
+        trace.append([(0, (0, 1), ()), (1, ones, tuple(ones))])
+    with_pred, without = replay(trace, 4, "plan+prediction"), replay(trace, 4, "plan")
+    assert replay(trace, 4, "belady") <= with_pred <= without
+
+
+def test_experts_moved_per_token_counts_every_transfer():
+    s = store()
+    cache = ExpertCache(s, 2 * s.expert_nbytes, CPU, torch.float32, link=HostLink())
+    # Hand count: (0,0) miss, (0,1) miss, (0,0) hit, prefetch (1,0) evicts the LRU... (plan: not-wanted (0,1)),
+    # (1,0) hit: 3 transfers for 2 "tokens".
+    for key in [(0, 0), (0, 1), (0, 0)]:
+        entry = cache.acquire(key)
+        cache.weights(entry)
+        cache.release(entry)
+    assert cache.prefetch((1, 0))
+    entry = cache.acquire((1, 0))
+    cache.weights(entry)
+    cache.release(entry)
+    cache.drain()
+    c = cache.counters
+    assert c.h2d_transfers == c.demand_transfers + c.prefetch_transfers == 3
+    assert experts_moved_per_token(c.h2d_transfers, 2) == 1.5
+    assert experts_moved_per_token(3, 0) is None
+    cache.close()
+
+
+class HandPrefetcher:
+    """A prefetcher with a fixed prediction (the decode loop's hook protocol, nothing else)."""
+
+    name = "hand"
+    issue = True
+
+    def __init__(self, predicted: dict[int, frozenset[int]], fetch: list[tuple[int, int]]) -> None:
+        self.predicted, self.fetch = predicted, fetch
+
+    def begin_round(self, cache, owners) -> None:
+        for key in self.fetch:
+            cache.prefetch(key)
+
+    def after_layer(self, cache, layer, routed) -> None:
+        pass
+
+    def forget(self, rid) -> None:
+        pass
+
+
+def test_prefetched_in_time_coverage_by_hand():
+    s = store(layers=2, experts=4)
+    gbps = s.expert_nbytes / 0.05 / 1e9  # 50 ms per expert on the link
+    cache = ExpertCache(s, s.total_bytes - s.expert_nbytes, CPU, torch.float32, link=HostLink(gbps))
+    # Predicted: {0, 1} at layer 0, {2} at layer 1; prefetched at round start: (0, 0) (on the link 0-50 ms),
+    # then (1, 2) (50-100 ms).
+    prefetcher = HandPrefetcher({0: frozenset({0, 1}), 1: frozenset({2})}, [(0, 0), (1, 2)])
+    runtime = OffloadRuntime(s, cache, prefetcher)
+    runtime.begin_round([("r", 1)])
+    time.sleep(0.06)
+    computed = []
+
+    def compute(expert, weights, rows):
+        computed.append(expert)
+
+    runtime.run_layer(0, torch.tensor([[0]]), compute)  # (0, 0) landed: predicted and in time
+    runtime.run_layer(
+        1, torch.tensor([[2, 3]]), compute
+    )  # (1, 2) still on the link: late; (1, 3) not predicted
+    runtime.end_round(kept_rows=1)
+    # Second way: of the 3 routed keys, only (0, 0) was predicted AND resident and ready when acquired; recall
+    # counts (1, 2) as well.
+    assert runtime.in_time == [1, 3]
+    assert (runtime.stats.covered_experts, runtime.stats.actual_experts) == (2, 3)
+    assert cache.counters.inflight_hits == 1 and cache.counters.misses == 1
+    assert computed == [0, 2, 3]
+    runtime.close()
