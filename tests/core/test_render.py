@@ -89,12 +89,19 @@ MARKDOWN = """# PD-DFlash Phase-A result matrix
 | 8 | 1 | 0.75 ± 0 | 0.75 | 0.75 ± 0 | 0.75 ± 0 |
 | 16 | 1 | 0.75 ± 0 | 0.75 | 0.75 ± 0 | 0.75 ± 0 |
 
-### Prefetch coverage (ratio)
+### Prefetch coverage (prediction recall) (ratio)
 
 | B | c | B0 | B1 | B2 | OURS |
 |---|---|---|---|---|---|
 | 8 | 1 | 0.875 ± 0 | 0.875 | 0.875 ± 0 | 0.875 ± 0 |
 | 16 | 1 | 0.875 ± 0 | 0.875 | 0.875 ± 0 | 0.875 ± 0 |
+
+### Prefetched-in-time coverage (ratio)
+
+| B | c | B0 | B1 | B2 | OURS |
+|---|---|---|---|---|---|
+| 8 | 1 | — | — | — | — |
+| 16 | 1 | — | — | — | — |
 
 ### Route-ahead waste ratio (ratio)
 

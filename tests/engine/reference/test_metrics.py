@@ -102,6 +102,8 @@ def runtime(**over) -> SimpleNamespace:
         needed_per_round=[4, 8, 6, 6],
         occupancy_per_round=[2000, 6000, 5000, 5000],
         per_layer={0: (4, 5, 3), 1: (2, 0, 0)},
+        # Of the 8 experts the verify routed (committed rounds), 6 were prefetched and ready when acquired.
+        in_time=(6, 8),
     )
     rt.update(over)
     return SimpleNamespace(**rt)
@@ -168,7 +170,7 @@ def test_hit_rate_counts_only_experts_ready_when_compute_needed_them():
     # 3 ready hits and 2 hits on a transfer still in flight out of 8 accesses: the hit rate is 3/8, not 5/8.
     values, _ = headline(measurement())
     assert values["expert_cache_hit_rate"] == 3 / 8
-    facts = metrics.expert_cache_facts(runtime(), 2.0)
+    facts = metrics.expert_cache_facts(runtime(), 2.0, 13)
     assert facts["in_cache_rate"] == 5 / 8 and facts["hits"] == 3 and facts["inflight_hits"] == 2
 
 
@@ -190,6 +192,13 @@ def test_coverage_and_waste_from_the_route_ahead_statistics():
     assert values["route_ahead_prefetch_coverage"] == 3 / 5
     assert values["wasted_prefetch_bytes"] == 2 * NBYTES  # {3, 4}: predicted, routed by no kept row
     assert warnings == []
+
+
+def test_prefetched_in_time_coverage_counts_only_experts_ready_at_the_verify():
+    assert metrics.in_time_coverage(runtime()) == 6 / 8
+    assert metrics.in_time_coverage(runtime(prefetcher=None)) is None
+    assert metrics.in_time_coverage(runtime(in_time=(0, 0))) is None  # nothing routed: no ratio
+    assert metrics.in_time_coverage(runtime(in_time=(0, 5))) == 0.0
 
 
 def test_coverage_without_a_prefetcher_or_with_nothing_routed_is_absent():
@@ -298,7 +307,7 @@ def test_batch_facts():
 
 
 def test_expert_cache_facts_rates_and_occupancy():
-    facts = metrics.expert_cache_facts(runtime(), 2.0)
+    facts = metrics.expert_cache_facts(runtime(), 2.0, 13)
     assert facts["capacity_bytes"] == 8000 and facts["slots"] == 8 and facts["policy"] == "lru"
     assert facts["expert_nbytes"] == NBYTES and facts["total_expert_bytes"] == 16_000
     assert facts["resident"] is False and facts["accesses"] == 8
@@ -306,7 +315,8 @@ def test_expert_cache_facts_rates_and_occupancy():
     assert facts["needed_experts_per_round_mean"] == 24 / 4
     assert facts["occupancy_bytes_mean"] == 18_000 / 4
     assert facts["occupancy_bytes_series"] == [2000, 6000, 5000, 5000]
-    empty = metrics.expert_cache_facts(runtime(needed_per_round=[], occupancy_per_round=[]), 2.0)
+    assert facts["experts_moved_per_token"] == 7 / 13  # 7 host-to-device transfers, 13 generated tokens
+    empty = metrics.expert_cache_facts(runtime(needed_per_round=[], occupancy_per_round=[]), 2.0, 13)
     assert empty["needed_experts_per_round_mean"] == 0 and empty["occupancy_bytes_mean"] == 0
     none = metrics.expert_cache_facts(
         runtime(
@@ -315,8 +325,9 @@ def test_expert_cache_facts_rates_and_occupancy():
             )
         ),
         2.0,
+        0,
     )
-    assert none["in_cache_rate"] is None
+    assert none["in_cache_rate"] is None and none["experts_moved_per_token"] is None  # no token generated
 
 
 def test_occupancy_series_is_downsampled_to_64_evenly_spaced_samples():
@@ -366,6 +377,8 @@ def test_assembled_row_is_ok_with_every_metric_and_its_distributions():
     assert result.engine["draft_verify_rounds"] == 5
     assert result.engine["name"] == "reference" and len(result.engine["output_digest"]) == 16
     assert result.engine["prediction"]["mispredicted_experts"] == 1
+    assert result.prefetched_in_time_coverage == 6 / 8
+    assert result.engine["expert_cache"]["experts_moved_per_token"] == 7 / 13
 
 
 def test_assembled_row_without_a_prefetcher_is_partial_and_says_why():
@@ -375,6 +388,7 @@ def test_assembled_row_without_a_prefetcher_is_partial_and_says_why():
         "route_ahead_prefetch_coverage not measured: this configuration has no prefetcher"
     ]
     assert result.route_ahead is None and "prediction" not in result.engine and "bm1" not in result.engine
+    assert result.prefetched_in_time_coverage is None
     assert result.t_draft_seconds is None
 
 
@@ -495,10 +509,10 @@ def test_engine_facts_carry_the_batch_the_cache_and_a_digest_of_the_outputs():
 
 
 def test_means_over_one_round_and_a_long_occupancy_series():
-    one = metrics.expert_cache_facts(runtime(needed_per_round=[6], occupancy_per_round=[6000]), 2.0)
+    one = metrics.expert_cache_facts(runtime(needed_per_round=[6], occupancy_per_round=[6000]), 2.0, 13)
     assert one["needed_experts_per_round_mean"] == 6 and one["occupancy_bytes_mean"] == 6000
     facts = metrics.expert_cache_facts(
-        runtime(needed_per_round=[6], occupancy_per_round=list(range(100))), 2.0
+        runtime(needed_per_round=[6], occupancy_per_round=list(range(100))), 2.0, 13
     )
     assert facts["needed_experts_per_round_mean"] == 6
     assert facts["occupancy_bytes_mean"] == sum(range(100)) / 100
