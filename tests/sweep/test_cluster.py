@@ -466,10 +466,13 @@ def test_model_loads_that_keep_failing_are_given_up_with_error_rows(cluster, tmp
         assert row.present_metrics() == []
         assert (out / "errors" / f"{cell.cell_id}.txt").exists()
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    # Both runners may be loading m1 when the second failure gives up: a load still in flight then fails too
+    # and is counted (3/2) after the cells were already stored as ERROR; only the first give-up drops cells.
     failed = [e for e in events if e["event"] == "load_failed"]
-    assert [(e["model"], e["failures"]) for e in failed] == [("m1", 1), ("m1", 2)]
-    (given_up,) = [e for e in events if e["event"] == "model_given_up"]
-    assert given_up["model"] == "m1" and given_up["cells"] == 6
+    assert {e["model"] for e in failed} == {"m1"} and [e["failures"] for e in failed][:2] == [1, 2]
+    given_up = [e for e in events if e["event"] == "model_given_up"]
+    assert given_up[0]["model"] == "m1" and given_up[0]["cells"] == 6
+    assert all(e["cells"] == 0 for e in given_up[1:])
     # The matrix says so too: m1's groups hold ERROR rows with the reason, m2's are measured.
     matrix = json.loads((out / "result_matrix.json").read_text())
     for c in (1, 2):
