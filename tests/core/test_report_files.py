@@ -15,6 +15,7 @@ from pd_dflash.report.matrix_json import aggregated_row, matrix_json
 from pd_dflash.rows import append_row, encode_row
 from pd_dflash.schema import CostTerms, Status
 from pd_dflash.spec import Gates
+from pd_dflash.upstream import REQUIRED_METRICS
 from tests.core.test_gate_verdicts import rows_of, spec
 
 KEY = "m|B8|c1"
@@ -142,3 +143,17 @@ def test_a_report_names_rows_by_the_sources_it_is_given():
     sources = ["a.jsonl:1", *(f"b.jsonl:{i}" for i in range(1, len(rows) + 1))]
     _, files = build_report([failed, *rows], Gates(), spec=spec(), sources=sources)
     assert "- superseded failed row a.jsonl:1 by b.jsonl:2" in files["result_matrix.md"].splitlines()
+
+
+def test_write_outputs_creates_the_directory_plots_included_and_uses_the_sources(tmp_path):
+    rows = rows_of(spec())
+    failed = rows[1].model_copy(
+        update={**dict.fromkeys(REQUIRED_METRICS), "status": Status.ERROR, "reason": "x"}
+    )
+    out = tmp_path / "a" / "b"
+    sources = ["old:1", *(f"new:{i}" for i in range(1, len(rows) + 1))]
+    write_outputs([failed, *rows], out, Gates(), plots=True, sources=sources)
+    assert "- superseded failed row old:1 by new:2" in (out / "result_matrix.md").read_text().splitlines()
+    assert [p.suffix for p in (out / "plots").iterdir()] and all(
+        p.suffix == ".png" for p in (out / "plots").iterdir()
+    )

@@ -113,6 +113,7 @@ def test_a_measured_field_changes_every_cell_id_and_the_fingerprint(change):
 )
 def test_what_does_not_change_a_measurement_keeps_the_cell_ids(change):
     base, changed = parse_spec(data()), parse_spec(data(**change))
+    assert len(base.fingerprint()) == 16 and int(base.fingerprint(), 16) >= 0
     assert [c.cell_id for c in expand(base)] == [c.cell_id for c in expand(changed)]
     if "hardware" not in change:
         assert base.fingerprint() == changed.fingerprint()
