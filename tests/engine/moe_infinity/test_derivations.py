@@ -110,7 +110,9 @@ def test_round_latency_without_a_stream_at_c1_is_the_loop_over_the_verify_rounds
     )
     derived = results.per_round_latency(OURS, cell(1), obs)
     assert derived.value == 1.5 / 6
-    assert derived.sources["per_round_latency_seconds"].startswith("timed loop / observed verify rounds")
+    assert derived.sources == {
+        "per_round_latency_seconds": "timed loop / observed verify rounds (no per-round stream)"
+    }
     # ... but never for c > 1 (the rounds overlap) nor for an autoregressive cell: absent, with the reason.
     for plan, c in ((OURS, 2), (AR, 1)):
         absent = results.per_round_latency(plan, cell(c), obs)
@@ -198,7 +200,10 @@ def test_waste_without_byte_sizes_falls_to_the_native_counters_timed_loop_delta(
     )
     derived = results.prefetch_metrics(OURS, obs)
     assert derived.value == (0.875, 5_000_000)  # 7 MB after - 2 MB before
-    assert derived.sources["wasted_prefetch_bytes"].endswith("(timed-loop delta)")
+    assert derived.sources["wasted_prefetch_bytes"] == (
+        "expert_prefetcher.archer_engine.get_wasted_prefetch_bytes via expert_prefetcher.wasted_prefetch_bytes "
+        "(timed-loop delta)"
+    )
 
 
 def test_ar_prefetcher_coverage_is_absent_and_its_waste_is_the_native_delta():
@@ -224,9 +229,10 @@ def test_native_waste_is_absent_without_a_reading_or_a_native_getter():
         observation(wasted_after=0.0, baseline=CounterBaseline(False, None, 0.0))
     )
     assert wrapper_only.value is None
-    assert wrapper_only.warnings[0].startswith(
-        "wasted_prefetch_bytes absent: MoE-Infinity's accessor returned 0.0"
-    )
+    assert wrapper_only.warnings == [
+        "wasted_prefetch_bytes absent: MoE-Infinity's accessor returned 0.0 with no native getter behind it (its "
+        "wrappers return 0.0 when the native getter is missing or raises)"
+    ]
     # A counter that went backwards (reset by the library) gives 0, never a negative byte count.
     getter = {"wasted_prefetch_bytes": "g"}
     back = results.native_waste(
@@ -270,7 +276,12 @@ def test_a_zero_from_a_wrapper_is_absent_unless_its_native_getter_exists_and_not
         observation(run=ClientRun(TRACES, 4, 2.0), native_getters=GETTERS, **zeros)
     )
     assert contradicted.value == {"expert_cache_hit_rate": None, "expert_occupancy_bytes": None}
-    assert "although the timed loop routed 6 tokens through the experts" in contradicted.warnings[0]
+    assert contradicted.warnings == [
+        "expert_cache_hit_rate absent: expert_prefetcher.expert_dispatcher.get_cache_hit_rate read 0.0, implausible "
+        "although the timed loop routed 6 tokens through the experts",
+        "expert_occupancy_bytes absent: expert_prefetcher.expert_dispatcher.get_cache_occupancy_bytes read 0.0, "
+        "implausible although experts were on the device to compute 6 tokens",
+    ]
     # With the getter and no token computed, the 0.0 stands.
     stands = results.native_metrics(observation(run=ClientRun([], 0, 1.0), native_getters=GETTERS, **zeros))
     assert stands.value == {"expert_cache_hit_rate": 0.0, "expert_occupancy_bytes": 0}
@@ -300,7 +311,8 @@ def test_expert_occupancy_is_the_peak_over_the_serving_steps_not_the_last_readin
 
 def test_kv_of_an_autoregressive_cell_is_the_paged_peak_else_the_native_reading():
     paged = results.kv_occupancy(AR, observation(paged_kv_bytes=65_536, native_kv=(1.0, "x")))
-    assert paged.value == 65_536 and paged.sources["kv_occupancy_bytes"].startswith("serving PagedKVCache")
+    assert paged.value == 65_536
+    assert paged.sources == {"kv_occupancy_bytes": "serving PagedKVCache: peak blocks in use x block bytes"}
     native = results.kv_occupancy(AR, observation(native_kv=(4096.4, "engine.kv_occupancy_bytes")))
     assert native.value == 4096 and native.sources == {"kv_occupancy_bytes": "engine.kv_occupancy_bytes"}
     absent = results.kv_occupancy(AR, observation())
@@ -317,7 +329,12 @@ def test_kv_of_a_speculative_cell_is_the_private_caches_peak_tokens_times_bytes_
     prompt_only = results.kv_occupancy(
         OURS, observation(sessions=SessionWatch(private_kv_peak_tokens=None), paged_kv_bytes=4096)
     )
-    assert prompt_only.value == 4096 and "prompt blocks only" in prompt_only.warnings[0]
+    assert prompt_only.value == 4096 and prompt_only.warnings == [
+        "kv_occupancy_bytes counts the paged prompt blocks only: MoE-Infinity keeps a speculative request's target "
+        "KV in a private cache this serving path does not expose, so the value is not comparable with B0"
+    ]
+    assert prompt_only.sources == {"kv_occupancy_bytes": "serving PagedKVCache (prompt blocks only)"}
+    assert prompt_only.facts == {"paged_kv_prompt_only_peak_bytes": 4096}
     nothing = results.kv_occupancy(OURS, observation(sessions=SessionWatch(private_kv_peak_tokens=0)))
     assert nothing.value is None and nothing.warnings == [m.ABSENT["kv_occupancy_bytes"]]
 
@@ -371,9 +388,15 @@ def test_a_zero_exposed_fetch_stands_only_when_nothing_was_fetched_on_demand():
     assert results.exposed_fetch(zero, 1.0, offloaded_experts=10).value == 0.0  # the cache never missed
     assert results.exposed_fetch(zero, 0.5, offloaded_experts=0).value == 0.0  # nothing offloaded
     missed = results.exposed_fetch(zero, 0.5, offloaded_experts=10)
-    assert missed.value is None and "hit rate 0.500" in missed.warnings[0]
+    assert missed.value is None and missed.warnings == [
+        "exposed_fetch_seconds absent: OffloadEngine.get_exposed_fetch_seconds read 0.0, implausible although the "
+        "expert cache missed (hit rate 0.500: every miss is an on-demand fetch)"
+    ]
     unknown = results.exposed_fetch(zero, None, offloaded_experts=10)
-    assert unknown.value is None and "with no hit rate" in unknown.warnings[0]
+    assert unknown.value is None and unknown.warnings == [
+        "exposed_fetch_seconds absent: OffloadEngine.get_exposed_fetch_seconds read 0.0, implausible with no hit "
+        "rate to show that nothing was fetched on demand"
+    ]
 
 
 # -- accessors -------------------------------------------------------------------------------------------
