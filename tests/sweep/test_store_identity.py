@@ -35,7 +35,14 @@ def cell_of(store, baseline="B1", concurrency=1, model="m1"):
 # Each identity field changed to a value another cell of the same spec has (so the row is valid on its own).
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("model", "m2"), ("baseline", "OURS"), ("concurrency", 2), ("repeat", 1), ("block_size", 16)],
+    [
+        ("model", "m2"),
+        ("baseline", "OURS"),
+        ("concurrency", 2),
+        ("repeat", 1),
+        ("block_size", 16),
+        ("ablation", {"expert_cache_fraction": 0.5}),  # an ablation value is part of the identity too
+    ],
 )
 def test_a_row_whose_identity_disagrees_with_its_cell_id_is_refused(store, tmp_path, field, value):
     first, cell = cell_of(store, "B0"), cell_of(store)
