@@ -262,3 +262,13 @@ def test_an_append_onto_a_torn_line_names_the_file_and_the_offset(tmp_path):
     assert str(err.value) == (
         f"{path} ends with an incomplete line at offset {len(first)}: run `pd-dflash run --resume` to repair it"
     )
+
+
+def test_a_whole_json_file_nested_too_deep_is_named(tmp_path):
+    from pd_dflash.rows import iter_rows
+
+    path = tmp_path / "rows.json"
+    path.write_text("[" * 100 + "]" * 100)
+    with pytest.raises(InputError) as err:
+        list(iter_rows(path))
+    assert str(err.value) == f"{path}: nested deeper than 64 levels"

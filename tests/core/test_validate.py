@@ -91,3 +91,28 @@ def test_an_unreadable_matrix_names_the_reason(tmp_path):
     with pytest.raises(InputError) as err:
         validate_matrix_file(tmp_path / "nope.json")
     assert str(err.value) == f"{tmp_path / 'nope.json'}: cannot read matrix: No such file or directory"
+
+
+def test_checks_go_on_after_a_non_row_and_after_an_exempt_b3():
+    assert key_errors("m|B8|c2", {"B0": 3, "B1": {"model": "x"}}) == [
+        "B1.model is 'x' but the group key says 'm'"
+    ]
+    group = {
+        "B3": {"status": "UNAVAILABLE_CAPACITY"},
+        "B0": ROW,
+        "B1": ROW,
+        "B2": {**ROW, "ttft_seconds": -1},
+    }
+    assert validate_group(group) == ["B2.ttft_seconds must be a finite, non-negative number; got -1"]
+
+
+def test_a_matrix_that_is_not_utf8_or_too_deep_is_named(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_bytes(b'{"m|B8|c1": \xff}')
+    with pytest.raises(InputError) as err:
+        validate_matrix_file(path)
+    assert str(err.value) == f"{path}: not UTF-8 text (byte 0xff at offset 12)"
+    path.write_text("[" * 100 + "]" * 100)
+    with pytest.raises(InputError) as err:
+        validate_matrix_file(path)
+    assert str(err.value) == f"{path}: nested deeper than 64 levels"

@@ -43,10 +43,11 @@ class DimOnly:
         np.array([[True, False, True], [False, True, False]]),
         np.array([[0, 2], [1, 1]], dtype=np.int32),
         [np.array([0, 2]), np.array([1])],
+        [torch.tensor([True, False, True]), torch.tensor([False, True, False])],
         DimOnly([[0, 2], [1, 1]]),
         DimOnly([[True, False, True], [False, True, False]], dtype="torch.bool"),
     ],
-    ids=["bool-lists", "id-lists", "bool-tensor", "id-tensor", "bool-array", "id-array", "array-rows", "dim-only-ids",
+    ids=["bool-lists", "id-lists", "bool-tensor", "id-tensor", "bool-array", "id-array", "array-rows", "tensor-rows", "dim-only-ids",
          "dim-only-mask"],
 )  # fmt: skip
 def test_every_accepted_form_gives_the_same_rows(routed):

@@ -215,14 +215,16 @@ def test_error_files_are_private_and_keep_the_text_as_given(tmp_path, spec):
     cell = expand(spec)[0]
     store = SweepStore(tmp_path, spec, Mode.RESUME)
     store.open()
-    store.add(failed_row(cell), "line one  \nends with X\n\n")
+    store.add(failed_row(cell), "line one  \nends with X  \n\n")
     store.close()
     umask = os.umask(0)
     os.umask(umask)
     path = tmp_path / "errors" / f"{cell.cell_id}.txt"
     assert stat.S_IMODE(path.stat().st_mode) == 0o640 & ~umask
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o750 & ~umask
-    assert path.read_text().endswith("reason: boom\nline one  \nends with X\n\n")  # only trailing newlines go
+    assert path.read_text().endswith(
+        "reason: boom\nline one  \nends with X  \n\n"
+    )  # only trailing newlines go
 
 
 def test_matrices_are_written_without_plots_unless_asked(tmp_path, spec):
