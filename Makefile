@@ -9,7 +9,7 @@ VENV_FLAGS := $(if $(filter 1,$(VENV_SYSTEM_SITE)),--system-site-packages,)
 RUN_SPEC ?= jobs/cpu_reference.yaml
 RUN_OUT ?= results/cpu_reference
 
-.PHONY: run test lint format venv clean dflash-official-env
+.PHONY: run test lint format venv clean dflash-official-env mutate
 
 venv: $(STAMP)
 
@@ -40,10 +40,19 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# Mutation testing of the pure core and the metric code (docs/testing.md). Not part of `make test` or CI: it takes
+# tens of minutes. A fresh run each time (mutants/ is git-ignored); the score per module is printed at the end.
+MUTATE_JOBS ?= 2
+mutate: $(STAMP)
+	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[mutate]"
+	rm -rf mutants
+	PD_DFLASH_CACHE="$${PD_DFLASH_CACHE:-$(CURDIR)/.cache/pd-dflash}" $(BIN)/mutmut run --max-children $(MUTATE_JOBS)
+	$(BIN)/python scripts/mutation_score.py
+
 # The official DFlash package in its own environment (it cannot share .venv: docs/reference-engine.md); the
 # drafter parity test runs it live when present, and `scripts/dflash_parity.py fixture` regenerates its fixture.
 dflash-official-env:
 	scripts/dflash_official_env.sh .cache/dflash-official
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache mutants

@@ -255,6 +255,10 @@ class SweepStore:
             raise InputError(
                 f"row identity {row.identity} does not match cell {cell.cell_id} {cell.identity}"
             )
+        if row.draft != cell.draft:  # the drafter is part of what the cell id measures
+            raise InputError(
+                f"row draft {row.draft!r} does not match cell {cell.cell_id} draft {cell.draft!r}"
+            )
         held = self._stored.get(cell.cell_id)
         if (held is not None and held.final) or (cell.cell_id, row.attempt) in self._attempts_seen:
             return False

@@ -21,12 +21,14 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from pd_dflash.errors import InputError  # noqa: E402
 from pd_dflash.rows import read_rows  # noqa: E402
-from pd_dflash.schema import Status, parse_row  # noqa: E402
+from pd_dflash.schema import Row, Status, parse_row  # noqa: E402
 from pd_dflash.spec import expand  # noqa: E402
 from pd_dflash.sweep.cluster import run_sweep  # noqa: E402
 from pd_dflash.sweep.manifest import env_summary  # noqa: E402
 from pd_dflash.sweep.options import RunOptions  # noqa: E402
-from pd_dflash.sweep.resume import Mode, current_rows  # noqa: E402
+from pd_dflash.sweep.resume import ARCHIVE_DIR, Mode, current_rows  # noqa: E402
+from pd_dflash.sweep.store import SweepStore  # noqa: E402
+from tests.sweep.engines import synthetic_result  # noqa: E402
 from tests.sweep.helpers import (  # noqa: E402
     FAULT,
     REPO,
@@ -36,6 +38,7 @@ from tests.sweep.helpers import (  # noqa: E402
     small_filesystem,
     stored_rows,
 )
+from tests.sweep.load_fault_engine import ENTRY_POINT as LOAD_FAULT  # noqa: E402
 from tests.sweep.probe_engine import ENTRY_POINT as PROBE  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -392,6 +395,94 @@ def test_a_collector_killed_mid_sweep_is_restarted_and_loses_no_row(cluster, tmp
     assert len(rows) == len(expand(spec)) == 36 and all(r.status == Status.OK for r in rows)
     record = json.loads((out / "sweep.json").read_text())
     assert len(record["runs"]) == 1 and record["runs"][0]["collector_restarts"] >= 1
+
+
+def collector_pid() -> int:
+    table = ray._private.state.state.actor_table(None).values()
+    return next(
+        a["Pid"] for a in table if a["ActorClassName"].endswith("Collector") and a["State"] == "ALIVE"
+    )
+
+
+def test_a_collector_killed_during_a_restart_sweep_does_not_archive_again(cluster, tmp_path):
+    spec = make_spec(
+        models=[
+            {"id": "m1", "engine_options": {"seconds": 0.4}},
+            {"id": "m2", "engine_options": {"seconds": 0.4}},
+        ],
+        repeats=3,
+    )
+    out = tmp_path / "out"
+    # A previous run left one row: --restart must archive it once, and only once.
+    previous = SweepStore(out, spec, Mode.RESUME)
+    previous.open()
+    previous.add(Row.from_result(expand(spec)[0], synthetic_result(expand(spec)[0], 4, 0.1), sweep=spec.name))
+    previous.close()
+    result = {}
+    run = lambda: result.update(outcome=run_sweep(spec, options(out, mode=Mode.RESTART)))  # noqa: E731
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (
+        (out / ARCHIVE_DIR).exists() and (out / "rows.jsonl").exists() and len(stored_rows(out)) >= 4
+    ):
+        time.sleep(0.05)
+    assert len(stored_rows(out)) >= 4, "the restarted sweep stored no rows in time"
+    os.kill(collector_pid(), signal.SIGKILL)
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert result["outcome"].exit_code == 0
+    # One archive: the previous run's row. The restarted collector reopened in resume mode, so the rows this run
+    # stored before the kill stayed where they were.
+    (archive,) = (out / ARCHIVE_DIR).iterdir()
+    assert [r.cell_id for r in stored_rows(archive)] == [expand(spec)[0].cell_id]
+    rows = assert_complete(spec, out)
+    assert len(rows) == len(expand(spec)) == 36 and all(r.status == Status.OK for r in rows)
+    record = json.loads((out / "sweep.json").read_text())
+    assert [r["mode"] for r in record["runs"]] == ["restart"] and record["runs"][0]["collector_restarts"] >= 1
+
+
+def test_model_loads_that_keep_failing_are_given_up_with_error_rows(cluster, tmp_path):
+    spec = make_spec(
+        engine=LOAD_FAULT,
+        models=[
+            {"id": "m1", "engine_options": {"seconds": 0.1, "fail_load": True}},
+            {"id": "m2", "engine_options": {"seconds": 0.1}},
+        ],
+    )
+    out = tmp_path / "out"
+    outcome = run_sweep(spec, options(out, max_attempts=2, breaker_threshold=10))
+    assert outcome.exit_code == 1  # the sweep finished; m1's cells are failures to retry
+    rows = {r.cell_id: r for r in assert_complete(spec, out)}
+    for cell in expand(spec):
+        row = rows[cell.cell_id]
+        if cell.model == "m2":
+            assert row.status == Status.OK and row.attempt == 1
+            continue
+        # Every cell of the model that never loaded: an ERROR row naming the tries and the cause, no metrics.
+        assert row.status == Status.ERROR, row
+        assert row.reason.startswith("model could not be loaded (2 tries): model load failed: ")
+        assert "injected load failure for m1" in row.reason
+        assert row.present_metrics() == []
+        assert (out / "errors" / f"{cell.cell_id}.txt").exists()
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    # Both runners may be loading m1 when the second failure gives up: a load still in flight then fails too
+    # and is counted (3/2) after the cells were already stored as ERROR; only the first give-up drops cells.
+    failed = [e for e in events if e["event"] == "load_failed"]
+    assert {e["model"] for e in failed} == {"m1"} and [e["failures"] for e in failed][:2] == [1, 2]
+    given_up = [e for e in events if e["event"] == "model_given_up"]
+    assert given_up[0]["model"] == "m1" and given_up[0]["cells"] == 6
+    assert all(e["cells"] == 0 for e in given_up[1:])
+    # The matrix says so too: m1's groups hold ERROR rows with the reason, m2's are measured.
+    matrix = json.loads((out / "result_matrix.json").read_text())
+    for c in (1, 2):
+        for baseline in ("B0", "B1", "OURS"):
+            bad, good = matrix[f"m1|B8|c{c}"][baseline], matrix[f"m2|B8|c{c}"][baseline]
+            assert bad["status"] == "ERROR" and "model could not be loaded" in bad["reason"]
+            assert bad["n_repeats"] == 0 and "output_tokens_per_second" not in bad
+            assert "status" not in good and good["n_repeats"] == 1  # OK: upstream writes no status
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert verdict["groups"]["m1|B8|c1"]["failed"]["B1"][0].startswith("repeat 0: ERROR (model could not")
 
 
 def test_removing_a_box_mid_sweep_loses_no_cell_and_duplicates_none(cluster, tmp_path):

@@ -21,6 +21,7 @@ import pytest
 from pd_dflash.rows import read_rows
 from pd_dflash.schema import Status, parse_row
 from pd_dflash.spec import expand, parse_spec
+from tests.row_checks import assert_matrix_matches_rows
 from tests.sweep.helpers import REPO, kill_pids, processes_using, recorded, run_cli, spec_data, write_spec
 
 pytestmark = pytest.mark.ray
@@ -115,8 +116,11 @@ def test_local_run_killed_then_resumed_stores_every_cell_once_and_recomputes_onl
         cluster["GPU"] == 2 and cluster["accelerator_types"] == ["RTX-PRO-6000"] and cluster["runners"] == 2
     )
     assert record["counts"]["OK"] == len(all_ids) == record["counts"]["total"]
-    for name in ("result_matrix.json", "result_matrix.csv", "result_matrix.md"):
-        assert (out / name).exists()
+    # The matrices hold exactly the stored rows: every value is the mean of the rows placed in its group.
+    matrix = assert_matrix_matches_rows(out, rows)
+    assert len(matrix) == 4 and all(sorted(g) == ["B0", "B1", "OURS"] for g in matrix.values())
+    assert all(g[b]["n_repeats"] == 2 for g in matrix.values() for b in g)
+    assert (out / "result_matrix.md").exists()
     assert (
         "preflight ok: 2 runners fit" in proc.stdout
         and f"{len(all_ids)}/{len(all_ids)} cells stored" in proc.stdout

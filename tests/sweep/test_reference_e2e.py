@@ -11,6 +11,7 @@ import pytest
 from pd_dflash.schema import MEASURED_STATUSES, Status, parse_row
 from pd_dflash.spec import expand, parse_spec
 from pd_dflash.upstream import REQUIRED_METRICS
+from tests.row_checks import assert_matrix_matches_rows, assert_row_consistent
 from tests.sweep.helpers import run_cli, stored_rows, write_spec
 
 pytestmark = [
@@ -57,8 +58,20 @@ def test_local_run_with_the_reference_engine_gives_a_complete_matrix_of_valid_ro
         assert row.environment["packages"]["torch"]
         present = [m for m in REQUIRED_METRICS if getattr(row, m) is not None]
         assert row.status == Status.PARTIAL or present == list(REQUIRED_METRICS)
+        # Each metric agrees with the row's own raw terms (tokens / seconds, histogram mean, counters...).
+        assert_row_consistent(row, spec)
+        assert row.generated_tokens == spec.workload.requests * row.max_new_tokens
+        if row.baseline == "B0":  # the one autoregressive configuration
+            assert row.acceptance_length_a == 1.0 and row.t_router_seconds is None
+        if row.baseline == "OURS":
+            assert row.route_ahead["actual_experts"] > 0 and row.route_ahead["predicted_experts"] > 0
+            assert row.wasted_prefetch_bytes == row.route_ahead["wasted_prefetch_bytes"]
     assert {r.baseline for r in rows} == {"B0", "B1", "B2", "B3", "OURS"}
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    matrix = json.loads((out / "result_matrix.json").read_text())
-    assert "micro|B4|c1" in matrix and "micro|B4|c2" in matrix
-    assert (out / "result_matrix.md").exists()
+    # Every matrix value is the value of the row placed in its group (one repeat: the row's own number).
+    matrix = assert_matrix_matches_rows(out, rows)
+    assert sorted(matrix) == ["micro|B4|c1", "micro|B4|c2"]
+    assert all(sorted(group) == ["B0", "B1", "B2", "B3", "OURS"] for group in matrix.values())
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert verdict["complete"] is True and verdict["overall"]["verdict"] in ("GO", "NO-GO", "INCONCLUSIVE")
+    assert verdict["overall"]["line"] in (out / "result_matrix.md").read_text()

@@ -3,7 +3,8 @@
 This proves the wiring (runner env before import, one model load per runner process, B3's own load, rows that
 say the engine was a fake) on a spec of ``jobs/phase_a.yaml``'s shape, and the two things the real library would
 otherwise hide: OURS coverage measured through the sessions' route recorders, and B3 at the ratio MoE-Infinity
-applied. Not the numbers.
+applied. The numbers are checked for consistency (each metric against the row's raw terms, each matrix value
+against its rows), not for their size.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pd_dflash.rows import read_rows
 from pd_dflash.schema import Status
 from pd_dflash.spec import expand, parse_spec
 from tests.engine.moe_infinity.fakes import FAKE_ROOT, REPO, spec_data
+from tests.row_checks import assert_matrix_matches_rows, assert_row_consistent
 from tests.sweep.helpers import run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -57,6 +59,8 @@ def test_local_sweep_with_the_fake_gives_a_full_matrix(tmp_path, tokenizer_dir):
     assert {r.cell_id for r in rows} == {c.cell_id for c in expand(spec)}
     assert len(rows) == len(expand(spec)) == 18  # B0 once per c; B1, B2, B3, OURS per block size
     for row in rows:
+        assert_row_consistent(row, spec)  # every metric agrees with the row's own raw terms
+        assert row.generated_tokens == 4 * 16  # ignore_eos: every request generates max_new_tokens
         assert row.engine["name"] == "moe_infinity" and row.engine["fake"] is True, row.engine
         assert row.engine["version"] == "0.0.0+fake"
         if row.baseline == "OURS":  # coverage from the sessions' route recorders, never vacuous
@@ -64,6 +68,8 @@ def test_local_sweep_with_the_fake_gives_a_full_matrix(tmp_path, tokenizer_dir):
             assert row.route_ahead["steps"] > 0 and row.route_ahead["actual_experts"] > 0
             assert VACUOUS_COVERAGE not in row.warnings
             assert row.route_ahead_prefetch_coverage == row.route_ahead["coverage"]
+            assert row.wasted_prefetch_bytes == row.route_ahead["wasted_prefetch_bytes"]
+            assert row.acceptance_length_a > 1.0
         else:  # MoE-Infinity does not expose what its AR prefetcher predicted: coverage absent, never 0.0
             assert row.status is Status.PARTIAL and row.missing_metrics() == ["route_ahead_prefetch_coverage"]
         assert row.engine["observed_max_in_flight"] == row.concurrency
@@ -93,6 +99,6 @@ def test_local_sweep_with_the_fake_gives_a_full_matrix(tmp_path, tokenizer_dir):
                 and record["environ"]["HF_HUB_OFFLINE"] == "1"
             )
 
-    matrix = json.loads((out / "result_matrix.json").read_text())
+    matrix = assert_matrix_matches_rows(out, rows)  # every matrix value is its rows' mean
     assert sorted(matrix) == [f"fake/tiny-moe|B{b}|c{c}" for b in (16, 8) for c in (1, 2)]
     assert all(sorted(group) == ["B0", "B1", "B2", "B3", "OURS"] for group in matrix.values())

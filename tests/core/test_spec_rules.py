@@ -1,0 +1,189 @@
+"""The spec's rules that decide what is measured (pd_dflash/spec.py): what each cell carries, which fields
+change a cell id or the fingerprint, and every refusal's exact words."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_dflash.errors import InputError
+from pd_dflash.spec import Hardware, Workload, cell_count, expand, iter_cells, load_spec, parse_spec
+from pd_dflash.upstream import BLOCK_INDEPENDENT_BASELINES, OFFLOADED_BASELINES, SPECULATIVE_BASELINES
+
+
+def data(**over):
+    d = {
+        "name": "rules",
+        "engine": "reference",
+        "models": [
+            {"id": "a", "preset": "micro", "draft": "da"},
+            {"id": "b", "preset": "micro", "draft": "db"},
+        ],
+        "baselines": ["B0", "B1", "OURS"],
+        "block_sizes": [16, 8],
+        "concurrency": [1, 2],
+        "repeats": 2,
+    }
+    d.update(over)
+    return d
+
+
+def refused(message: str, **over):
+    with pytest.raises(InputError) as err:
+        parse_spec(data(**over), source="s.yaml")
+    assert message in str(err.value) and str(err.value).startswith("s.yaml: ")
+
+
+def test_cells_come_in_a_fixed_order_with_what_each_measures():
+    spec = parse_spec(data(workload={"max_new_tokens": "auto"}))
+    cells = expand(spec)
+    assert len(cells) == cell_count(spec) == 2 * (1 * 2 * 2 + 2 * 2 * 2 * 2)
+    first = cells[0]
+    assert (first.model, first.baseline, first.block_size, first.concurrency, first.repeat) == (
+        "a",
+        "B0",
+        8,
+        1,
+        0,
+    )
+    assert [c.repeat for c in cells[:2]] == [0, 1] and cells[2].concurrency == 2
+    b0 = [c for c in cells if c.baseline == "B0"]
+    assert all(c.draft == "" and c.block_size == 8 and c.block_sizes_covered == (8, 16) for c in b0)
+    assert all(c.max_new_tokens == 64 for c in b0)  # auto: max(4 * largest B, 32)
+    b1 = [c for c in cells if c.baseline == "B1" and c.model == "b"]
+    assert [(c.block_size, c.block_sizes_covered, c.max_new_tokens) for c in b1[::4]] == [
+        (16, (16,), 64),
+        (8, (8,), 32),
+    ]
+    assert all(c.draft == "db" for c in b1)
+    for c in cells:
+        assert c.offloaded == (c.baseline in OFFLOADED_BASELINES)
+        assert c.memory_ratio == (0.85 if c.offloaded else 0.98)
+        assert c.speculative == (c.baseline in SPECULATIVE_BASELINES)
+    assert len({c.cell_id for c in cells}) == len(cells) and all(len(c.cell_id) == 16 for c in cells)
+    assert list(iter_cells(spec)) == cells
+
+
+def test_a_fixed_output_budget_and_the_resident_ratio():
+    spec = parse_spec(
+        data(baselines=["B3", "B1"], workload={"max_new_tokens": 20}, memory={"resident_memory_ratio": 0.5})
+    )
+    cells = expand(spec)
+    assert {c.max_new_tokens for c in cells} == {20}
+    b3 = [c for c in cells if c.baseline == "B3"]
+    assert all(not c.offloaded and c.memory_ratio == 0.5 for c in b3)
+    assert Workload().resolve_max_new_tokens(4) == 32 and Workload().resolve_max_new_tokens(9) == 36
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"engine": "moe_infinity"},
+        {"models": [{"id": "a", "preset": "micro", "draft": "da", "engine_options": {"x": 1}}, {"id": "b", "preset": "micro", "draft": "db"}]},
+        {"workload": {"seed": 7}},
+        {"workload": {"prompt_tokens": 16}},
+        {"slo": {"ttft_ms": 100.0}},
+        {"hardware": {"device": "cpu"}},
+        {"hardware": {"accelerator_type": "H100"}},
+        {"env": {"X": "1"}},
+        {"memory": {"expert_cache_fraction": 0.5}},
+    ],
+)  # fmt: skip
+def test_a_measured_field_changes_every_cell_id_and_the_fingerprint(change):
+    base = parse_spec(data())
+    changed = parse_spec(data(**change))
+    assert base.fingerprint() != changed.fingerprint()
+    before = {(c.model, c.baseline, c.block_size, c.concurrency, c.repeat): c.cell_id for c in expand(base)}
+    after = {(c.model, c.baseline, c.block_size, c.concurrency, c.repeat): c.cell_id for c in expand(changed)}
+    if "models" in change:  # only model a's options changed: only model a's cells
+        assert all((before[k] != after[k]) == (k[0] == "a") for k in before)
+    else:
+        assert all(before[k] != after[k] for k in before)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"name": "other"},
+        {"gates": {"min_coverage": 0.1}},
+        {"local": {"fake_gpus": 4}},
+        {"max_cells": 1000},
+        {"hardware": {"cpus_per_runner": 4.0}},
+        {"hardware": {"custom_resource": "rtx"}},
+    ],
+)
+def test_what_does_not_change_a_measurement_keeps_the_cell_ids(change):
+    base, changed = parse_spec(data()), parse_spec(data(**change))
+    assert len(base.fingerprint()) == 16 and int(base.fingerprint(), 16) >= 0
+    assert [c.cell_id for c in expand(base)] == [c.cell_id for c in expand(changed)]
+    if "hardware" not in change:
+        assert base.fingerprint() == changed.fingerprint()
+
+
+def test_a_cell_does_not_depend_on_the_other_axes_values():
+    small = parse_spec(data(concurrency=[2]))
+    big = parse_spec(data(concurrency=[1, 2, 4]))
+    key = lambda c: (c.model, c.baseline, c.block_size, c.repeat)  # noqa: E731
+    ids = {key(c): c.cell_id for c in expand(big) if c.concurrency == 2}
+    assert all(ids[key(c)] == c.cell_id for c in expand(small))
+
+
+def test_every_refusal_names_its_field_and_reason():
+    refused("duplicate value 8 in block_sizes", block_sizes=[8, 8])
+    refused("duplicate value 'B1' in baselines", baselines=["B1", "B1"])
+    refused("duplicate value 2 in concurrency", concurrency=[2, 2])
+    refused("duplicate value 'a' in models[].id", models=[{"id": "a"}, {"id": "a"}])
+    refused("must be letters, digits, '.', '_' or '-' (it names the sweep and its job)", name="my sweep")
+    refused(
+        "file: needs a path, e.g. file:prompts.jsonl (JSONL with a `prompt` field per line)",
+        workload={"prompts": "file: "},
+    )
+    refused(
+        "0.95 would not offload any expert (upstream refuses ratios >= 0.9); use a value below 0.9 for "
+        "offloaded configurations",
+        memory={"device_memory_ratio": 0.95},
+    )
+    refused("unknown metric 'vibes'; use names from REQUIRED_METRICS", gates={"allow_unmeasured": ["vibes"]})
+    refused(
+        "duplicate value 'ttft_seconds' in allow_unmeasured", gates={"allow_unmeasured": ["ttft_seconds"] * 2}
+    )
+    refused(
+        "the spec expands to 40 cells, more than max_cells = 39; shrink an axis (repeats, concurrency, "
+        "block_sizes, baselines, models) or raise max_cells",
+        max_cells=39,
+    )
+    assert cell_count(parse_spec(data(max_cells=40))) == 40
+    with pytest.raises(InputError) as err:
+        parse_spec(["not", "a", "mapping"], source="s.yaml")
+    assert str(err.value) == "s.yaml: a sweep spec must be a mapping, got list"
+
+
+def test_device_ratio_just_below_the_limit_offloads():
+    assert parse_spec(data(memory={"device_memory_ratio": 0.8999})).memory.device_memory_ratio == 0.8999
+    refused("0.9 would not offload any expert", memory={"device_memory_ratio": 0.9})
+
+
+def test_hardware_names_and_capability():
+    assert Hardware().expected_gpu_name == "RTX PRO 6000"
+    assert Hardware(gpu_name="H200").expected_gpu_name == "H200"
+    assert Hardware(accelerator_type=None).expected_gpu_name is None
+    assert parse_spec(data(hardware={"compute_capability": [9, 0]})).hardware.compute_capability == (9, 0)
+
+
+def test_spec_files_that_cannot_be_specs(tmp_path):
+    with pytest.raises(InputError) as err:
+        load_spec(tmp_path / "none.yaml")
+    assert str(err.value) == f"{tmp_path / 'none.yaml'}: cannot read spec: No such file or directory"
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"#" * ((1 << 20) + 1))
+    with pytest.raises(InputError) as err:
+        load_spec(big)
+    assert str(err.value) == f"{big}: larger than 1048576 bytes: not a sweep spec"
+    exact = tmp_path / "exact.yaml"
+    exact.write_bytes(b"name: x\n" + b"#" * ((1 << 20) - 8))
+    with pytest.raises(InputError, match="models"):  # read in full (1 MiB is allowed), then validated
+        load_spec(exact)
+
+
+def test_block_independent_baselines_are_measured_once_per_concurrency_and_repeat():
+    spec = parse_spec(data(baselines=sorted(BLOCK_INDEPENDENT_BASELINES)))
+    assert cell_count(spec) == 2 * len(BLOCK_INDEPENDENT_BASELINES) * 2 * 2

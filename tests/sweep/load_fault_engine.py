@@ -1,0 +1,29 @@
+"""An engine whose model load fails on every try for the models that ask for it (the driver's give-up path)."""
+
+from __future__ import annotations
+
+import time
+
+from pd_dflash.engine.interface import Engine, EngineContext
+from pd_dflash.engine.registry import EngineTraits
+from tests.sweep.engines import FixedDurationEngine, FixedDurationOptions
+
+ENTRY_POINT = "tests.sweep.load_fault_engine:LoadFaultEngine"
+
+
+class LoadFaultOptions(FixedDurationOptions):
+    #: Raise from the constructor (the runner's model load), every time.
+    fail_load: bool = False
+
+
+class LoadFaultEngine(FixedDurationEngine):
+    traits = EngineTraits(
+        entry_point=ENTRY_POINT, options_model="tests.sweep.load_fault_engine:LoadFaultOptions"
+    )
+
+    def __init__(self, ctx: EngineContext) -> None:
+        Engine.__init__(self, ctx)
+        self.options = LoadFaultOptions.model_validate(ctx.model.engine_options)
+        time.sleep(self.options.load_seconds)
+        if self.options.fail_load:
+            raise RuntimeError(f"injected load failure for {ctx.model.id}")
