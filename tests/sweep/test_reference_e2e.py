@@ -63,6 +63,9 @@ def test_local_run_with_the_reference_engine_gives_a_complete_matrix_of_valid_ro
         assert row.generated_tokens == spec.workload.requests * row.max_new_tokens
         if row.baseline == "B0":  # the one autoregressive configuration
             assert row.acceptance_length_a == 1.0 and row.t_router_seconds is None
+        if row.baseline == "B3":  # resident: its prefetcher only observes, so no prediction counts
+            assert row.route_ahead is None and "prediction" not in row.engine
+            assert row.route_ahead_prefetch_coverage is not None and row.wasted_prefetch_bytes == 0.0
         if row.baseline == "OURS":
             assert row.route_ahead["actual_experts"] > 0 and row.route_ahead["predicted_experts"] > 0
             assert row.wasted_prefetch_bytes == row.route_ahead["wasted_prefetch_bytes"]

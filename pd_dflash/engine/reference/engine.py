@@ -9,7 +9,7 @@ the timed requests with continuous batching at the cell's concurrency, and assem
 | B0 | AR | the AR prefetcher (activation-aware) | none |
 | B1 | speculative (the drafter) | the AR prefetcher, unchanged | none (every request verifies every step) |
 | B2 | speculative | the AR prefetcher | token deficit |
-| B3 | AR, experts resident | the AR prefetcher, observe-only | none |
+| B3 | speculative, every expert resident | the AR prefetcher, observe-only (no prediction counts) | none |
 | OURS | speculative, with the route-ahead proxy | route-ahead | 2-D deficit (tokens, expert bytes) |
 """
 

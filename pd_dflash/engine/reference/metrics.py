@@ -71,7 +71,7 @@ def assemble(m: CellMeasurement, slo: SLO) -> EngineResult:
         **phase_seconds(m),
         latency=latency_stats({**samples, **round_samples(m)}),
         acceptance_histogram=dict(Counter(committed)),
-        route_ahead=m.runtime.stats.as_dict() if m.runtime.prefetcher is not None else None,
+        route_ahead=m.runtime.stats.as_dict() if issued_prefetches(m.runtime) else None,
         prefetched_in_time_coverage=in_time_coverage(m.runtime),
         hide_inequality=hide,
         requests=len(m.requests),
@@ -127,6 +127,13 @@ def headline_metrics(
     return values, warnings + [w for w in (coverage_warning, wasted_warning) if w]
 
 
+def issued_prefetches(rt: OffloadRuntime) -> bool:
+    """Whether the cell's prefetcher may issue transfers. An observe-only one (B3: every expert resident) still
+    gives the headline coverage, on the same scale as the offloaded baselines', but the row carries no prediction
+    counts (``route_ahead``, ``engine.prediction``): nothing was prefetched, so there is no waste to count."""
+    return rt.prefetcher is not None and rt.prefetcher.issue
+
+
 def prefetch_coverage(rt: OffloadRuntime) -> tuple[float | None, str | None]:
     """Route-ahead coverage of the cell's prefetcher (AR or route-ahead), or why there is none."""
     if rt.prefetcher is None:
@@ -150,10 +157,10 @@ def in_time_coverage(rt: OffloadRuntime) -> float | None:
 def wasted_prefetch_bytes(rt: OffloadRuntime) -> tuple[float | None, str | None]:
     """Bytes of predicted experts no kept row used, or a measured 0 when no prefetch was issued at all."""
     c = rt.cache.counters
+    if c.prefetch_transfers == 0 and (rt.cache.resident or not issued_prefetches(rt)):
+        return 0.0, None  # measured: this configuration issued no prefetch at all
     if rt.stats.wasted_prefetch_bytes is not None:
         return float(rt.stats.wasted_prefetch_bytes), None
-    if c.prefetch_transfers == 0 and (rt.cache.resident or rt.prefetcher is None or not rt.prefetcher.issue):
-        return 0.0, None  # measured: this configuration issued no prefetch at all
     return None, "wasted_prefetch_bytes not measured: prefetches were issued without byte accounting"
 
 
@@ -251,7 +258,7 @@ def engine_facts(m: CellMeasurement, committed: list[int], overlap: dict[str, An
         phases = phase_seconds(m)
         extra["bm1"] = bm1_summary(phases["t_router_seconds"], phases["t_verify_seconds"])
         extra["draft_verify_rounds"] = len(committed)
-    if rt.prefetcher is not None:
+    if issued_prefetches(rt):
         extra["prediction"] = prediction_facts(rt, rt.store.expert_nbytes)
     return {
         **m.engine,

@@ -228,12 +228,20 @@ def test_tokenizer_trusts_remote_code_only_when_the_spec_says_so(monkeypatch, tm
     assert seen == [bool(trust)]
 
 
-def test_autoregressive_rows_carry_no_route_ahead_counts(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec)
-    row = _row(spec, "B0", 4, 1, run(engine, cell(spec, "B0", concurrency=1)))  # B0: the one AR configuration
-    assert row.route_ahead is None
-    assert "route_ahead_observer" not in row.engine and "route_ahead_bindings" not in row.engine
+@pytest.mark.parametrize("baseline", ["B0", "B3"])
+def test_rows_without_route_ahead_carry_no_route_ahead_counts(monkeypatch, spec, baseline):
+    """B0 (AR) and B3 (speculative, every expert resident) prefetch nothing by route-ahead: no counts (issue 12).
+    B3's verify seam is observed only to show that nothing was predicted there."""
+    _, engine = _engine(monkeypatch, spec, load_group="resident" if baseline == "B3" else "shared")
+    measured = cell(spec, baseline, concurrency=1)
+    row = Row.from_result(measured, run(engine, measured))
+    assert row.status is Status.PARTIAL, row.reason
+    assert row.route_ahead is None and row.route_ahead_prefetch_coverage is None
     assert row.cost_terms.route_ahead_coverage is None
+    if baseline == "B0":
+        assert "route_ahead_observer" not in row.engine and "route_ahead_bindings" not in row.engine
+    else:  # speculative: route-ahead switched off at its seam, which then saw no prediction
+        assert row.engine["route_ahead_observer"]["predicted_experts"] == 0
 
 
 def test_byte_counts_are_integers(monkeypatch, spec):

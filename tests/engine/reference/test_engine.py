@@ -70,7 +70,11 @@ def test_run_cell_returns_a_valid_row(micro_rows, baseline, concurrency):
         and row.ttft_seconds == row.latency["ttft_seconds"].mean
     )
     assert row.latency["tpot_seconds"].n == WORKLOAD["requests"]
-    assert 0.0 <= row.route_ahead_prefetch_coverage <= 1.0 and row.route_ahead["actual_experts"] > 0
+    assert 0.0 <= row.route_ahead_prefetch_coverage <= 1.0
+    if baseline == "B3":  # observe-only prefetcher: coverage, but no prediction counts (nothing prefetched)
+        assert row.route_ahead is None and "prediction" not in row.engine
+    else:
+        assert row.route_ahead["actual_experts"] > 0
     assert row.kv_occupancy_bytes > 0 and row.t_verify_seconds > 0
     batch = row.engine["batch"]
     assert (

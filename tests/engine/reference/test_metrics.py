@@ -392,6 +392,25 @@ def test_assembled_row_without_a_prefetcher_is_partial_and_says_why():
     assert result.t_draft_seconds is None
 
 
+def test_an_observe_only_prefetcher_gives_coverage_but_no_prediction_counts():
+    """B3 (every expert resident): the prefetcher only observes. Coverage is still its measured recall (3 of 5),
+    but the row carries no prediction counts and a measured zero waste: nothing was prefetched (issue 12, 8c)."""
+    idle = SimpleNamespace(issue=False, counters={"issued": 0})
+    cache = SimpleNamespace(
+        counters=CacheCounters(
+            accesses=8, hits=8, resident_at_round_start=8, peak_occupancy_bytes=8 * NBYTES
+        ),
+        resident=True,
+        capacity_bytes=16 * NBYTES,
+        num_slots=16,
+        policy="lru",
+    )
+    result = metrics.assemble(measurement(runtime=runtime(prefetcher=idle, cache=cache)), SLO())
+    assert result.route_ahead_prefetch_coverage == 3 / 5
+    assert result.route_ahead is None and "prediction" not in result.engine
+    assert result.wasted_prefetch_bytes == 0.0
+
+
 # -- BM4 overlap of the transfers with the compute windows -----------------------------------------------------
 
 #: Round windows: draft [0, 0.25), router [0.25, 0.3125), verify [0.5, 1.0) and [1.0, 1.5); compute stalled on
