@@ -26,6 +26,49 @@ def test_nvtx_ranges_accept_upstream_names_only():
         pass
 
 
+class _RangeRecorder:
+    """Stands in for ``torch.cuda.nvtx``: records the ranges pushed, in order."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def push_range(self, message: str) -> None:
+        self.names.append(message)
+
+    def pop_range(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("speculative", "cached", "expected"),
+    [(True, [False], []), (True, [False, True], ["dflash_draft"]), (False, [True], [])],
+    ids=["prefill-only", "one-request-drafts", "autoregressive"],
+)
+def test_dflash_draft_is_emitted_only_when_a_request_is_drafted_for(
+    monkeypatch, speculative, cached, expected
+):
+    """A speculative proposal of prompts only drafts nothing, so it opens no ``dflash_draft`` range (upstream's
+    parser would count it as draft time); an AR proposal never does."""
+    from types import SimpleNamespace
+
+    from pd_dflash.engine import nvtx_ranges
+    from pd_dflash.engine.reference.serving import _Serving
+
+    recorder = _RangeRecorder()
+    monkeypatch.setattr(nvtx_ranges, "_nvtx", recorder)
+    requests = [SimpleNamespace(rid=i, cached=c) for i, c in enumerate(cached)]
+    decoding = SimpleNamespace(
+        speculative=speculative, propose=lambda fresh: [SimpleNamespace(request=r) for r in fresh]
+    )
+    hooks = SimpleNamespace(plan=lambda blocks: False)
+    loop = _Serving(None, [], len(requests), decoding, hooks, None, clock=lambda: 0.0)
+    loop.active = list(requests)
+    windows = loop.propose()
+    assert recorder.names == expected
+    assert [w[0] for w in windows] == (["draft"] if expected else [])
+    assert sorted(loop.pending) == [r.rid for r in requests]
+
+
 @no_cuda
 def test_nvml_degrades_to_a_note_without_a_driver():
     assert nvml.device_identity() is None and nvml.telemetry() is None

@@ -147,3 +147,21 @@ def test_a_transfer_is_copied_when_the_link_starts_it():
 def test_the_window_must_hold_a_transfer():
     with pytest.raises(ValueError, match="window"):
         HostLink(GBPS, window=0)
+
+
+def test_the_reference_engine_never_synchronizes_the_whole_device():
+    """Waits are on the compute stream or an event, never ``torch.cuda.synchronize()`` (which would also wait for
+    the copy streams' prefetches and hide the overlap being measured). The waits themselves are exercised by the
+    GPU tests (``test_gpu.py::test_the_next_draft_starts_before_cross_round_prefetches_finish``)."""
+    from pathlib import Path
+
+    import pd_dflash.engine.reference as reference
+
+    root = Path(reference.__file__).parent
+    device_wide = [
+        f"{path.relative_to(root)}:{n}"
+        for path in sorted(root.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "cuda.synchronize(" in line.replace(" ", "")
+    ]
+    assert device_wide == []
