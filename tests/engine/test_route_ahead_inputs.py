@@ -186,3 +186,40 @@ def test_fresh_statistics_are_zero_with_no_bytes_and_need_no_begin_step():
         0, torch.tensor([1]), torch.tensor([[0.0, 1.0]]), kind="mask"
     )  # the kind is passed on
     assert stats.commit_step(1).covered == 1 and stats.steps == 1
+
+
+class bool_:  # numpy < 2 names its bool scalar type ``bool_`` (numpy 2 calls it ``bool``)
+    """A stand-in for a numpy 1.x bool scalar: this venv has numpy 2, whose scalar is already named ``bool``."""
+
+    def __init__(self, value: bool) -> None:
+        self.value = value
+
+    def __bool__(self) -> bool:
+        return self.value
+
+
+def test_numpy_1_bool_scalars_are_a_mask():
+    t, f = bool_(True), bool_(False)
+    assert routed_rows([[t, f, t], [f, t, f]]) == ROWS
+    with pytest.raises(
+        ValueError, match=exactly("routed mixes bools and ids; pass kind='mask' or kind='ids'")
+    ):
+        routed_rows([[t, 1]])
+
+
+def test_predicted_ids_are_read_through_tolist():
+    """The module takes tensors duck-typed through ``.tolist()``: a predicted set that offers only that (no
+    iteration) is read, and its ids counted once each."""
+    from pd_dflash.engine.route_ahead import RouteAheadStats
+
+    predicted = SimpleNamespace(tolist=lambda: [2, 0, 2, 5])  # P = {0, 2, 5}
+    stats = RouteAheadStats()
+    stats.observe_layer(0, predicted, [[0, 2], [1]])  # A = {0, 1, 2}; U_keep(1 row) = {0, 2}
+    summary = stats.commit_step(1)
+    assert (summary.predicted, summary.actual, summary.covered, summary.kept, summary.wasted) == (
+        3,
+        3,
+        2,
+        2,
+        1,
+    )
