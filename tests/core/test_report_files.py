@@ -113,6 +113,7 @@ def test_build_report_and_write_outputs_give_the_same_files(tmp_path):
     assert json.loads(files["verdict.json"])["overall"]["verdict"] == "GO"
     written = write_outputs(rows, tmp_path, Gates(), spec=spec())
     assert written == verdict
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)  # no plots unless asked for
     for name, content in files.items():
         assert (tmp_path / name).read_text() == content
     incomplete, _ = build_report(rows[1:], Gates(), spec=spec())
@@ -157,3 +158,30 @@ def test_write_outputs_creates_the_directory_plots_included_and_uses_the_sources
     assert [p.suffix for p in (out / "plots").iterdir()] and all(
         p.suffix == ".png" for p in (out / "plots").iterdir()
     )
+
+
+def test_a_text_value_shaped_like_a_repeat_placeholder_is_written_as_is():
+    """Repeats are spliced in through placeholders; a row's own text (here its draft) must never be taken for
+    one, whatever it reads."""
+    rows = [r.model_copy(update={"draft": "None-0"}) for r in rows_of(spec())]
+    data = json.loads(matrix_json(build_matrix(rows)))
+    ours = data[KEY]["OURS"]
+    assert ours["draft"] == "None-0"
+    assert [r["draft"] for r in ours["repeats"]] == ["None-0"]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_result_matrix_json_never_holds_nan_or_infinity():
+    """Two finite repeats of 1.5e308 tokens/s overflow to an infinite mean: result_matrix.json is then refused
+    (a ValueError) or written as strict JSON, never with the non-standard token ``Infinity``."""
+    rows = rows_of(spec(repeats=2), OURS={"output_tokens_per_second": 1.5e308})
+
+    def no_constant(token: str):
+        raise AssertionError(f"result_matrix.json holds {token}")
+
+    try:
+        text = matrix_json(build_matrix(rows))
+    except ValueError as exc:
+        assert "not JSON compliant" in str(exc)
+    else:
+        json.loads(text, parse_constant=no_constant)
