@@ -152,3 +152,55 @@ def test_stored_lines_are_compact_json_of_the_row(tmp_path):
     line = path.read_bytes()
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     assert json.loads(line) == row(0).to_json_dict()
+
+
+def test_a_callable_writes_utf8_whatever_the_locale(tmp_path):
+    """The text a writer function gets is UTF-8 with "\\n" line ends even where the locale's encoding is
+    ASCII (LC_ALL=C with Python's UTF-8 mode and locale coercion off): the locale never picks the encoding."""
+    target = tmp_path / "m.txt"
+    code = f"""
+import locale
+from pd_dflash.rows import write_atomic
+print(locale.getpreferredencoding(False))
+write_atomic({str(target)!r}, lambda fh: fh.write("caf\\u00e9 \\u03c4\\n"))
+"""
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0].lower() in ("ansi_x3.4-1968", "ascii", "us-ascii")  # the locale is ASCII
+    assert target.read_bytes() == b"caf\xc3\xa9 \xcf\x84\n"
+
+
+def test_the_temp_file_is_a_hidden_sibling_named_by_pid_and_8_hex_digits(tmp_path):
+    """``.<name>.tmp-<pid>-<8 hex digits>``: what the store's stale-file patterns match, and a suffix short
+    enough that a long target name still fits the filesystem's name limit."""
+    seen: list[str] = []
+
+    def look(fh):
+        seen.extend(p.name for p in tmp_path.iterdir())
+        fh.write("{}\n")
+
+    write_atomic(tmp_path / "m.json", look)
+    (name,) = seen
+    prefix = f".m.json.tmp-{os.getpid()}-"
+    assert name.startswith(prefix)
+    suffix = name[len(prefix) :]
+    assert len(suffix) == 8 and set(suffix) <= set("0123456789abcdef"), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
+
+
+def test_a_temp_file_removed_by_someone_else_does_not_hide_the_failure(tmp_path):
+    """The writer's own error is what a failed write raises, even when its temp file is already gone (another
+    process cleaned the directory): removing the temp file tolerates its absence."""
+
+    def vanish_then_fail(fh):
+        fh.write("{")
+        for p in tmp_path.glob(".*.tmp*"):
+            p.unlink()
+        raise RuntimeError("the writer failed")
+
+    with pytest.raises(RuntimeError, match="the writer failed"):
+        write_atomic(tmp_path / "m.json", vanish_then_fail)
+    assert list(tmp_path.iterdir()) == []

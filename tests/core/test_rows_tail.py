@@ -149,6 +149,8 @@ def test_a_torn_last_line_keeps_its_text_without_the_newline(tmp_path):
     message = str(err.value)
     assert message.startswith(f"{path}:2: not UTF-8 text (byte 0xff at offset 12)")
     assert message.endswith(" (torn last line: a write cut by a crash; `pd-dflash run --resume` repairs it)")
+    path.write_bytes(first + b'{"model": "XX\n')  # only the newline is cut from the kept text
+    assert read_rows(path, tolerate_torn_tail=True)[1].text == '{"model": "XX'
 
 
 def test_a_bad_line_in_the_middle_is_named_by_its_line(tmp_path):
@@ -244,6 +246,9 @@ def test_a_stored_line_is_read_back_as_it_is(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_bytes(b'{"a": 1}  \r\n\xff\n')
     assert read_line_at(RowSource(path, "rows.jsonl:1", 0)) == '{"a": 1}  '
+    ends_in_x = tmp_path / "x.jsonl"
+    ends_in_x.write_bytes(b'{"a": 1}\n{"b": "X"}XX\r\n')  # only the line end is cut, never other characters
+    assert read_line_at(RowSource(ends_in_x, "x.jsonl:2", 9)) == '{"b": "X"}XX'
     with pytest.raises(InputError) as err:
         read_line_at(RowSource(path, "rows.jsonl:2", 12))
     assert str(err.value) == "rows.jsonl:2: not UTF-8 text (byte 0xff at offset 0)"
@@ -272,3 +277,20 @@ def test_a_whole_json_file_nested_too_deep_is_named(tmp_path):
     with pytest.raises(InputError) as err:
         list(iter_rows(path))
     assert str(err.value) == f"{path}: nested deeper than 64 levels"
+
+
+def test_only_the_first_4096_bytes_decide_whether_a_file_is_one_json_document(tmp_path):
+    """A bounded peek (a large JSON-lines file is never read whole to learn its kind): a row object after
+    4095 blank bytes is a whole-JSON file; after 4096 the peek sees only blanks and the file is read as JSON
+    lines (the same row, named by its line and offset)."""
+    from pd_dflash.rows import iter_rows
+
+    text = encode_row(row(3))
+    near = tmp_path / "near.json"
+    near.write_bytes(b"\n" * 4095 + text)
+    ((got, source),) = list(iter_rows(near))
+    assert got.repeat == 3 and (source.label, source.offset) == (str(near), None)
+    far = tmp_path / "far.json"
+    far.write_bytes(b"\n" * 4096 + text)
+    ((got, source),) = list(iter_rows(far))
+    assert got.repeat == 3 and (source.label, source.offset) == (f"{far}:4097", 4096)
