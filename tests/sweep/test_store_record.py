@@ -216,15 +216,16 @@ def test_error_files_are_private_and_keep_the_text_as_given(tmp_path, spec):
     store = SweepStore(tmp_path, spec, Mode.RESUME)
     store.open()
     store.add(failed_row(cell), "line one  \nends with X  \n\n")
+    store.add(failed_row(cell, attempt=2), "the last word is X\n")  # only newlines are stripped, never an X
     store.close()
     umask = os.umask(0)
     os.umask(umask)
     path = tmp_path / "errors" / f"{cell.cell_id}.txt"
     assert stat.S_IMODE(path.stat().st_mode) == 0o640 & ~umask
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o750 & ~umask
-    assert path.read_text().endswith(
-        "reason: boom\nline one  \nends with X  \n\n"
-    )  # only trailing newlines go
+    first, second = path.read_text().split("=== ERROR attempt 2", 1)
+    assert first.endswith("reason: boom\nline one  \nends with X  \n\n")  # only trailing newlines go
+    assert second.endswith("reason: boom\nthe last word is X\n\n")
 
 
 def test_matrices_are_written_without_plots_unless_asked(tmp_path, spec):
@@ -365,3 +366,58 @@ def test_a_record_that_cannot_be_written_breaks_the_store_but_closing_still_rele
     store.close()
     monkeypatch.undo()
     SweepStore(tmp_path, spec, Mode.RESUME).open()  # the lock was released
+
+
+def test_error_files_are_utf8_whatever_the_locale(tmp_path):
+    """A traceback with non-ASCII text is stored as UTF-8 even where the locale's encoding is ASCII (LC_ALL=C
+    with Python's UTF-8 mode and locale coercion off): the locale never picks the encoding."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    code = f"""
+import locale
+from pd_dflash.schema import Row, Status
+from pd_dflash.spec import expand
+from pd_dflash.sweep.resume import Mode
+from pd_dflash.sweep.store import SweepStore
+from tests.sweep.helpers import make_spec
+print(locale.getpreferredencoding(False))
+spec = make_spec()
+row = Row.without_metrics(expand(spec)[0], Status.ERROR, "boom", attempt=1, sweep="t")
+print(SweepStore({str(tmp_path)!r}, spec, Mode.RESUME).write_error(row, "caf\\u00e9 \\u03c4"))
+"""
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    encoding, path = done.stdout.split()
+    assert encoding.lower() in ("ansi_x3.4-1968", "ascii", "us-ascii")  # the locale is ASCII
+    assert Path(path).read_bytes().endswith(b"reason: boom\ncaf\xc3\xa9 \xcf\x84\n\n")
+
+
+def test_a_date_in_an_engine_option_is_recorded_as_its_iso_text(tmp_path):
+    """An unquoted YAML date (``since: 2024-01-02``) is a date object in the spec; sweep.json records the
+    spec's JSON form, where it is the ISO text (JSON has no dates)."""
+    import datetime
+
+    options = {"seconds": 0.2, "since": datetime.date(2024, 1, 2)}
+    spec = make_spec(models=[{"id": "m1", "engine_options": options}])
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    store.open()
+    store.close()
+    assert record(tmp_path)["spec"]["models"][0]["engine_options"] == {"seconds": 0.2, "since": "2024-01-02"}
+
+
+def test_a_store_that_never_failed_says_none_as_its_breakage(tmp_path, spec):
+    """``broken`` is None until a write fails (the collector reports it as ``storage_error``: null)."""
+    store = SweepStore(tmp_path, spec, Mode.RESUME)
+    assert store.broken is None
+    store.open()
+    store.add(ok_row(expand(spec)[0]))
+    store.add_event({"event": "x"})
+    assert store.broken is None
+    store.close()
