@@ -180,10 +180,60 @@ def test_spec_files_that_cannot_be_specs(tmp_path):
     assert str(err.value) == f"{big}: larger than 1048576 bytes: not a sweep spec"
     exact = tmp_path / "exact.yaml"
     exact.write_bytes(b"name: x\n" + b"#" * ((1 << 20) - 8))
-    with pytest.raises(InputError, match="models"):  # read in full (1 MiB is allowed), then validated
+    with pytest.raises(InputError, match="models") as err:  # read in full (1 MiB is allowed), then validated
         load_spec(exact)
+    assert str(err.value).startswith(f"{exact}: ")  # a validation error names the file
 
 
 def test_block_independent_baselines_are_measured_once_per_concurrency_and_repeat():
     spec = parse_spec(data(baselines=sorted(BLOCK_INDEPENDENT_BASELINES)))
     assert cell_count(spec) == 2 * len(BLOCK_INDEPENDENT_BASELINES) * 2 * 2
+
+
+def test_a_spec_that_never_ends_is_refused_after_one_byte_past_the_limit(tmp_path):
+    """A spec path whose writer keeps it open (a pipe, e.g. a shell's ``<(...)``): load_spec reads one byte
+    past the limit and refuses, without waiting for an end of file that does not come."""
+    import os
+    import threading
+
+    fifo = tmp_path / "spec.fifo"
+    os.mkfifo(fifo)
+    released = threading.Event()
+    waited_out: list[bool] = []
+
+    def feed():
+        with open(fifo, "wb") as fh:
+            fh.write(b"#" * ((1 << 20) + 1))
+            fh.flush()
+            waited_out.append(not released.wait(20))  # the pipe stays open until the reader is done
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    with pytest.raises(InputError) as err:
+        load_spec(fifo)
+    released.set()
+    writer.join(30)
+    assert str(err.value) == f"{fifo}: larger than 1048576 bytes: not a sweep spec"
+    assert waited_out == [False]  # refused while the writer still held the pipe open
+
+
+def test_a_yaml_date_in_an_engine_option_hashes_as_its_iso_text(tmp_path):
+    """An unquoted YAML date is a date object in the spec; the fingerprint hashes the spec's JSON form, where
+    it is its ISO text: the same measurement as the quoted text, and not another date."""
+    import datetime
+
+    import yaml
+
+    def spec_with(since, name):
+        path = tmp_path / name
+        models = [{"id": "a", "preset": "micro", "draft": "da", "engine_options": {"since": since}}]
+        path.write_text(yaml.safe_dump(data(models=models)))
+        return load_spec(path)
+
+    dated = spec_with(datetime.date(2024, 1, 2), "dated.yaml")
+    assert dated.models[0].engine_options["since"] == datetime.date(2024, 1, 2)
+    quoted = spec_with("2024-01-02", "quoted.yaml")
+    assert quoted.models[0].engine_options["since"] == "2024-01-02"
+    assert dated.fingerprint() == quoted.fingerprint()
+    assert [c.cell_id for c in expand(dated)] == [c.cell_id for c in expand(quoted)]
+    assert spec_with(datetime.date(2024, 1, 3), "other.yaml").fingerprint() != dated.fingerprint()
