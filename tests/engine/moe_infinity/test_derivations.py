@@ -657,3 +657,58 @@ def test_a_trace_becomes_the_shared_request_timing():
     t = TRACES[0].timing()
     assert (t.admitted, t.first_token, t.finished, t.tokens) == (0.0, 0.25, 1.0, 4)
     assert RequestTrace("z", 1.0).chunk_gaps() == [] and RequestTrace("z", 1.0).timing().ttft is None
+
+
+# -- what mutation testing found unpinned --------------------------------------------------------------------------
+
+
+def test_a_request_that_ends_as_two_others_start_leaves_three_in_flight():
+    # a: step 0 only; b: steps 0..5; c and d: steps 1..2. At step 1, a is done and b, c, d are in flight.
+    staggered = [
+        trace("a", 0, [(0, 0.25)], 1),
+        trace("b", 0, [(0, 0.25), (5, 1.5)], 2),
+        trace("c", 0, [(1, 0.5), (2, 0.75)], 2),
+        trace("d", 0, [(1, 0.5), (2, 0.75)], 2),
+    ]
+    assert m.observed_max_in_flight(staggered) == 3
+
+
+def test_a_single_offloaded_expert_can_still_be_fetched_on_demand():
+    zero = observation(exposed_after=0.0, baseline=CounterBaseline(True, None, None))
+    one = results.exposed_fetch(zero, 0.5, offloaded_experts=1)
+    assert one.value is None and one.warnings == [
+        "exposed_fetch_seconds absent: OffloadEngine.get_exposed_fetch_seconds read 0.0, implausible although the "
+        "expert cache missed (hit rate 0.500: every miss is an on-demand fetch)"
+    ]
+
+
+def test_kv_facts_name_the_paged_peak_only_when_there_is_one():
+    native = results.kv_occupancy(AR, observation(native_kv=(4096.0, None)))
+    assert native.value == 4096 and native.sources == {"kv_occupancy_bytes": ""}  # a reading without a name
+    private = results.kv_occupancy(
+        OURS, observation(sessions=SessionWatch(private_kv_peak_tokens=2), token_kv_bytes=512)
+    )
+    assert private.value == 1024 and private.facts == {}
+    nothing = results.kv_occupancy(OURS, observation(sessions=SessionWatch(private_kv_peak_tokens=0)))
+    assert nothing.value is None and nothing.facts == {}
+
+
+@pytest.mark.parametrize(
+    ("offloaded", "h2d", "cuda", "expected"),
+    [
+        (True, 2.5e10, True, (2.5e10, "probe", "real")),
+        (False, 2.5e10, True, (2.5e10, "probe", "none")),
+        (True, None, True, (None, None, "real")),
+        (True, 2.5e10, False, (2.5e10, "probe", None)),
+    ],
+)
+def test_cost_terms_name_the_probed_bandwidth_and_the_link(offloaded, h2d, cuda, expected):
+    cell_ = SimpleNamespace(offloaded=offloaded)
+    ct = results._cost_terms(cell_, 0.875, 4_000_000.0, 0.25, h2d, cuda)
+    assert (ct.measured_h2d_bytes_per_second, ct.h2d_bandwidth_source, ct.h2d_link) == expected
+    assert (ct.route_ahead_coverage, ct.wasted_prefetch_bytes, ct.exposed_fetch_seconds) == (
+        0.875,
+        4_000_000,
+        0.25,
+    )
+    assert isinstance(ct.wasted_prefetch_bytes, int)
