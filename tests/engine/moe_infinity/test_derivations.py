@@ -712,3 +712,10 @@ def test_cost_terms_name_the_probed_bandwidth_and_the_link(offloaded, h2d, cuda,
         0.25,
     )
     assert isinstance(ct.wasted_prefetch_bytes, int)
+
+
+def test_an_accessor_reading_without_a_name_has_an_empty_source():
+    derived = results.native_metrics(observation(hit=(0.5, None), occupancy=(1000.4, None)))
+    assert derived.value == {"expert_cache_hit_rate": 0.5, "expert_occupancy_bytes": 1000}
+    assert derived.sources == {"expert_cache_hit_rate": "", "expert_occupancy_bytes": ""}
+    assert derived.warnings == []
