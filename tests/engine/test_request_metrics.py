@@ -84,3 +84,10 @@ def test_an_empty_sample_list_is_left_out_not_zero():
 def test_goodput_needs_a_positive_window():
     with pytest.raises(ValueError, match="positive timed window"):
         goodput(TIMINGS, SLO(), 0.0)
+
+
+def test_a_tpot_exactly_at_the_slo_meets_it_and_the_slo_is_in_milliseconds():
+    # A and D: TPOT 0.25 s = 250 ms exactly; B: 500 ms; C has none.
+    assert [meets_slo(t, SLO(tpot_ms=250)) for t in TIMINGS] == [True, False, True, True]
+    assert [meets_slo(t, SLO(tpot_ms=250.1)) for t in TIMINGS] == [True, False, True, True]
+    assert [meets_slo(t, SLO(tpot_ms=249.9)) for t in TIMINGS] == [False, False, True, False]
