@@ -719,3 +719,10 @@ def test_an_accessor_reading_without_a_name_has_an_empty_source():
     assert derived.value == {"expert_cache_hit_rate": 0.5, "expert_occupancy_bytes": 1000}
     assert derived.sources == {"expert_cache_hit_rate": "", "expert_occupancy_bytes": ""}
     assert derived.warnings == []
+
+
+def test_a_loop_whose_requests_got_no_token_has_no_mean_ttft():
+    run = ClientRun([RequestTrace("p", 0.0), RequestTrace("q", 0.5)], steps=1, elapsed=2.0)
+    derived = results.per_request(SimpleNamespace(slo=SLO()), observation(run=run))
+    assert derived.value["ttft_seconds"] is None
+    assert derived.value["output_tokens_per_second"] == 0.0 and derived.value["requests"] == 2
