@@ -726,3 +726,53 @@ def test_a_loop_whose_requests_got_no_token_has_no_mean_ttft():
     derived = results.per_request(SimpleNamespace(slo=SLO()), observation(run=run))
     assert derived.value["ttft_seconds"] is None
     assert derived.value["output_tokens_per_second"] == 0.0 and derived.value["requests"] == 2
+
+
+def test_read_number_skips_an_absent_holder_and_lists_every_accessor_that_raised():
+    def boom():
+        raise RuntimeError("not ready")
+
+    def late():
+        raise TimeoutError("later")
+
+    holder = SimpleNamespace(a=boom, b=late, e=4.5)
+    assert m.read_number([("none", None, "x"), ("h", holder, "e")]) == (4.5, "h.e")
+    assert m.read_number([("h", holder, "a"), ("h", holder, "b")]) == (
+        None,
+        "h.a raised RuntimeError: not ready; h.b raised TimeoutError: later",
+    )
+
+
+def test_an_assembled_row_on_a_device_probes_the_link_and_takes_telemetry_at_both_ends(monkeypatch):
+    """cuda=True with a probed bandwidth: the cost terms name the probe and the real link, the h2d warning is
+    gone, and telemetry has the start the observation took and an end read from device 0 (NVML is replaced by a
+    fixed snapshot: this machine has no device). A zero exposed-fetch reading stands: the cache never missed."""
+    monkeypatch.setattr(results.nvml, "telemetry", lambda position=0: {"device": position})
+    obs = ours_observation(
+        telemetry_start={"device": "start"},
+        hit=(1.0, "engine.expert_cache_hit_rate"),
+        exposed_after=0.0,
+    )
+    obs.loop.executions = None
+    ctx = SimpleNamespace(slo=SLO())
+    loaded = SimpleNamespace(warnings=[], num_offloaded=10)
+    cell_ = SimpleNamespace(concurrency=2, block_size=4, offloaded=True, baseline="OURS")
+    r = results.assemble(ctx, loaded, {}, cell_, OURS, obs, 2.5e10, True)
+    ct = r.cost_terms
+    assert (ct.measured_h2d_bytes_per_second, ct.h2d_bandwidth_source, ct.h2d_link) == (
+        2.5e10,
+        "probe",
+        "real",
+    )
+    assert ct.exposed_fetch_seconds == 0.0
+    assert r.warnings == ["baseline note"]
+    assert r.telemetry == {"start": {"device": "start"}, "end": {"device": 0}}
+    assert "model_runner" not in r.engine
+    # Without a start snapshot the end is still kept; without a device nothing is read.
+    no_start = ours_observation(telemetry_start=None)
+    assert results.assemble(ctx, loaded, {}, cell_, OURS, no_start, None, True).telemetry == {
+        "start": None,
+        "end": {"device": 0},
+    }
+    cpu = results.assemble(ctx, loaded, {}, cell_, OURS, ours_observation(telemetry_start=None), None, False)
+    assert cpu.telemetry is None and cpu.cost_terms.h2d_link is None
