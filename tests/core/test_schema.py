@@ -170,3 +170,11 @@ def test_upstream_list_and_single_object_files(tmp_path):
     )
     with pytest.raises(InputError, match=r"qwen\.json\[1\].*ttft_seconds"):
         read_rows(lst)
+
+
+def test_the_percentile_of_nothing_is_refused_in_these_words():
+    from pd_dflash.schema import percentile
+
+    with pytest.raises(ValueError) as err:
+        percentile([], 50)
+    assert str(err.value) == "percentile of an empty list"

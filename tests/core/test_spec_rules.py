@@ -237,3 +237,19 @@ def test_a_yaml_date_in_an_engine_option_hashes_as_its_iso_text(tmp_path):
     assert dated.fingerprint() == quoted.fingerprint()
     assert [c.cell_id for c in expand(dated)] == [c.cell_id for c in expand(quoted)]
     assert spec_with(datetime.date(2024, 1, 3), "other.yaml").fingerprint() != dated.fingerprint()
+
+
+def test_an_engine_loads_a_link_ablation_model_with_the_first_rate():
+    """``single_valued``: a list-valued ``emulated_h2d_gbps`` (an ablation axis) becomes its first value, the
+    other options kept; a model without that axis is itself."""
+    from pd_dflash.spec import ModelSpec
+
+    model = ModelSpec(id="a", engine_options={"emulated_h2d_gbps": [4.0, 16.0, 64.0], "cache": 2})
+    loaded = model.single_valued()
+    assert loaded.engine_options == {"emulated_h2d_gbps": 4.0, "cache": 2}
+    assert model.engine_options["emulated_h2d_gbps"] == [4.0, 16.0, 64.0]  # the spec itself is unchanged
+    assert ModelSpec(id="b", engine_options={"emulated_h2d_gbps": [8.0]}).single_valued().engine_options == {
+        "emulated_h2d_gbps": 8.0
+    }
+    plain = ModelSpec(id="c", engine_options={"emulated_h2d_gbps": 2.5})
+    assert plain.single_valued() is plain
