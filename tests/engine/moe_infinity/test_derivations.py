@@ -776,3 +776,8 @@ def test_an_assembled_row_on_a_device_probes_the_link_and_takes_telemetry_at_bot
     }
     cpu = results.assemble(ctx, loaded, {}, cell_, OURS, ours_observation(telemetry_start=None), None, False)
     assert cpu.telemetry is None and cpu.cost_terms.h2d_link is None
+
+
+def test_total_expert_bytes_is_unknown_without_a_prefetcher_or_its_byte_map():
+    assert m.total_expert_bytes(SimpleNamespace()) is None
+    assert m.total_expert_bytes(SimpleNamespace(expert_prefetcher=SimpleNamespace())) is None
