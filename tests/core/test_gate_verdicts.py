@@ -377,3 +377,113 @@ def test_rows_shared_across_block_sizes_are_named_in_every_group(shared_baseline
     for key in ("m|B8|c1", "m|B16|c1"):
         assert details[key]["shared_across_block_sizes"][shared_baseline] == [8, 16]
         assert set(details[key]["shared_across_block_sizes"]) == BLOCK_INDEPENDENT_BASELINES
+
+
+# -- what mutation testing found unpinned ------------------------------------------------------------------------
+
+
+def test_bm1_and_hide_with_ours_expected_but_without_rows_in_the_group():
+    d, _ = group(drop=[("OURS", 0)])  # B1 passes BM1, but it cannot stand for the OURS the spec expects
+    assert gate(d, "bm1") == ("not evaluated", "OURS rows carry no t_router_seconds/t_verify_seconds")
+    assert d["gates"]["hide_inequality"] == {
+        "status": "not evaluated",
+        "summary": "OURS not measured",
+        "per_baseline": {},
+    }
+
+
+def test_ours_rows_outside_the_spec_are_still_gated_but_their_repeats_not_required():
+    rows = rows_of(
+        spec(repeats=2), drop=[("OURS", 1)], OURS={"t_router_seconds": None, "t_verify_seconds": None}
+    )
+    details, _ = judge(rows, s=spec(repeats=2, baselines=("B0", "B1", "B3")))
+    d = details[KEY]
+    assert gate(d, "bm1") == ("not evaluated", "OURS rows carry no t_router_seconds/t_verify_seconds")
+    assert gate(d, "hide_inequality") == ("pass", "")
+    assert d["missing_repeats"] == {} and d["complete"] is True
+
+
+def test_bm1_needs_both_terms_and_names_every_zero_verify():
+    d, _ = group(OURS={"t_router_seconds": None})  # t_verify alone
+    assert gate(d, "bm1") == ("not evaluated", "OURS rows carry no t_router_seconds/t_verify_seconds")
+    d, _ = group(OURS={"t_verify_seconds": None})  # t_router alone
+    assert gate(d, "bm1") == ("not evaluated", "OURS: t_verify_seconds missing or 0")
+    d, _ = group(B1={"t_verify_seconds": 0.0}, OURS={"t_verify_seconds": 0.0})
+    assert gate(d, "bm1") == (
+        "not evaluated",
+        "B1: t_verify_seconds missing or 0; OURS: t_verify_seconds missing or 0",
+    )
+
+
+def test_hide_gate_details_in_every_answer():
+    d, _ = group()
+    hide = d["gates"]["hide_inequality"]
+    assert (hide["status"], hide["summary"]) == ("pass", "")
+    assert set(hide["per_baseline"]["OURS"]) == {"hidden_repeats", "repeats_with_terms", "on_means"}
+    lying = {**evaluate_hide_inequality(**HIDE).model_dump(), "hidden": False}
+    d, _ = group(s=spec(repeats=2), OURS={"hide_inequality": lying})
+    hide = d["gates"]["hide_inequality"]
+    assert (hide["status"], hide["summary"]) == (
+        "fail",
+        "stored hide_inequality disagrees with its terms: OURS repeat 0: hidden stored False, recomputed True; "
+        "OURS repeat 1: hidden stored False, recomputed True",
+    )
+    assert hide["per_baseline"]["OURS"]["repeats_with_terms"] == 2
+    terms = {"hide_inequality": evaluate_hide_inequality(**HIDE)}
+    d, _ = group(s=spec(baselines=("B0", "B1", "B3")), B1=terms)
+    hide = d["gates"]["hide_inequality"]
+    assert (hide["status"], hide["summary"]) == ("not evaluated", "no OURS rows")
+    assert hide["per_baseline"]["B1"]["repeats_with_terms"] == 1
+    for answer in (
+        group(status={("OURS", 0): (Status.ERROR, "boom")}),
+        group(OURS={"hide_inequality": None}),
+    ):
+        assert answer[0]["gates"]["hide_inequality"]["per_baseline"] == {}
+
+
+def test_a_blocked_baseline_that_is_not_allowed_stays_in_speedup_and_ordering():
+    d, _ = group(status={("B3", 0): (Status.UNAVAILABLE_CAPACITY, "too big")})
+    assert gate(d, "speedup_over_b0") == ("not evaluated", "tokens/s not measured for B3")
+    assert gate(d, "ordering") == ("not evaluated", "tokens/s not measured for B3")
+
+
+def test_completeness_lists_several_problems_of_one_kind():
+    s = spec(repeats=2)
+    lying = {**evaluate_hide_inequality(**HIDE).model_dump(), "hidden": False}
+    blocked = (Status.UNAVAILABLE_CAPACITY, "too big")
+    d, _ = group(
+        s=s,
+        status={
+            ("B0", 0): blocked,
+            ("B0", 1): blocked,
+            ("B1", 0): blocked,
+            ("B1", 1): blocked,
+            ("B3", 0): (Status.ERROR, "boom"),
+            ("B3", 1): (Status.TIMEOUT, "slow"),
+        },
+        OURS={
+            "kv_occupancy_bytes": None,
+            "ttft_seconds": None,
+            "status": "PARTIAL",
+            "warnings": ["kv and ttft absent"],
+            "hide_inequality": lying,
+        },
+    )
+    status, text = gate(d, "completeness")
+    assert status == "fail"
+    assert text.startswith(
+        "blocked B0, B1 (not allowed); B3 repeat 0: ERROR (boom); repeat 1: TIMEOUT (slow); "
+        "OURS PARTIAL, missing ttft_seconds, kv_occupancy_bytes; OURS hide_inequality mismatch: repeat 0 (row "
+    )
+    assert "recomputed True; repeat 1 (row " in text
+
+
+def test_expectations_from_an_ablation_spec_name_each_settings_group():
+    from tests.core.test_ablation import ablation_spec
+
+    e = Expectations.infer(build_matrix([]), ablation_spec())
+    assert set(e.groups) == {
+        (f"micro[expert_cache_fraction={f},emulated_h2d_gbps={g}]", 8, 1)
+        for f in ("0.25", "0.5")
+        for g in ("0.03", "0.05", "0.1")
+    }
