@@ -487,3 +487,9 @@ def test_expectations_from_an_ablation_spec_name_each_settings_group():
         for f in ("0.25", "0.5")
         for g in ("0.03", "0.05", "0.1")
     }
+
+
+def test_speedup_over_a_b0_slower_than_one_token_per_second_is_evaluated():
+    d, _ = group(B0={"output_tokens_per_second": 0.5, "goodput_at_slo": 0.5})
+    assert gate(d, "speedup_over_b0") == ("pass", "")
+    assert d["gates"]["speedup_over_b0"]["per_baseline"] == {"B1": 60.0, "OURS": 90.0, "B3": 140.0}
