@@ -390,6 +390,7 @@ def test_bm1_and_hide_with_ours_expected_but_without_rows_in_the_group():
         "summary": "OURS not measured",
         "per_baseline": {},
     }
+    assert gate(d, "ordering") == ("not evaluated", "tokens/s not measured for OURS")
 
 
 def test_ours_rows_outside_the_spec_are_still_gated_but_their_repeats_not_required():
@@ -400,6 +401,7 @@ def test_ours_rows_outside_the_spec_are_still_gated_but_their_repeats_not_requir
     d = details[KEY]
     assert gate(d, "bm1") == ("not evaluated", "OURS rows carry no t_router_seconds/t_verify_seconds")
     assert gate(d, "hide_inequality") == ("pass", "")
+    assert gate(d, "ordering") == ("pass", "")
     assert d["missing_repeats"] == {} and d["complete"] is True
 
 
@@ -493,3 +495,32 @@ def test_speedup_over_a_b0_slower_than_one_token_per_second_is_evaluated():
     d, _ = group(B0={"output_tokens_per_second": 0.5, "goodput_at_slo": 0.5})
     assert gate(d, "speedup_over_b0") == ("pass", "")
     assert d["gates"]["speedup_over_b0"]["per_baseline"] == {"B1": 60.0, "OURS": 90.0, "B3": 140.0}
+
+
+def test_ordering_without_ours_is_strict_and_names_every_baseline_left_out():
+    blocked = (Status.UNAVAILABLE_CAPACITY, "too big")
+    d, _ = group(
+        gates=Gates(allow_blocked=["OURS"]),
+        status={("OURS", 0): blocked},
+        B1={"output_tokens_per_second": 70.0},
+    )  # B1 = B3 = 70 tokens/s: only OURS <= B3 is loose
+    assert gate(d, "ordering") == ("fail", "ordering: B1 70 !< B3 70 (OURS allowed blocked, left out)")
+    d, _ = group(gates=Gates(allow_blocked=["B1", "B3"]), status={("B1", 0): blocked, ("B3", 0): blocked})
+    assert gate(d, "ordering") == ("pass", "(B1, B3 allowed blocked, left out)")
+
+
+def test_speedup_names_every_baseline_without_tokens():
+    d, _ = group(status={("B1", 0): (Status.ERROR, "boom"), ("B3", 0): (Status.ERROR, "boom")})
+    assert gate(d, "speedup_over_b0") == ("not evaluated", "tokens/s not measured for B1, B3")
+
+
+def test_a_spec_group_without_rows_never_reads_another_groups_numbers():
+    """The model named "None" has rows; model m, which the spec also expects, has none: m's empty group must not
+    be evaluated with anyone else's means."""
+    s = spec(models=("m", "None"))
+    details, _ = judge(rows_of(spec(models=("None",))), s=s)
+    empty = details[KEY]
+    assert empty["present"] == []
+    assert gate(empty, "speedup_over_b0") == ("not evaluated", "B0 tokens/s not measured")
+    assert gate(empty, "ordering") == ("not evaluated", "tokens/s not measured for B0, B1, OURS, B3")
+    assert gate(details["None|B8|c1"], "speedup_over_b0") == ("pass", "")
