@@ -178,3 +178,17 @@ def test_the_percentile_of_nothing_is_refused_in_these_words():
     with pytest.raises(ValueError) as err:
         percentile([], 50)
     assert str(err.value) == "percentile of an empty list"
+
+
+def test_the_stored_form_is_plain_json_data():
+    """``to_json_dict`` is what rows.jsonl stores and what a runner sends: JSON data already, so it equals its
+    own JSON round trip: histogram keys are text, and a NaN an engine put in a free-form field is null (a
+    NaN in the file would make the row unreadable)."""
+    row = parse_row(
+        upstream_row(acceptance_histogram={1: 2, 3: 5}, engine={"name": "x", "spread": math.nan}), where="t"
+    )
+    assert row.acceptance_histogram == {1: 2, 3: 5} and math.isnan(row.engine["spread"])
+    data = row.to_json_dict()
+    assert data["acceptance_histogram"] == {"1": 2, "3": 5}
+    assert data["engine"] == {"name": "x", "spread": None}
+    assert json.loads(json.dumps(data, allow_nan=False)) == data
