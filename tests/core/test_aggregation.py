@@ -291,3 +291,51 @@ def test_a_stored_hide_inequality_that_disagrees_with_its_terms_is_found():
         None,
         "hide_inequality terms are invalid: saturation must be <= 1.0, got 2.0",
     )
+
+
+# -- what mutation testing found unpinned ------------------------------------------------------------------------
+
+
+def test_the_reasons_of_unmeasured_repeats_are_joined_in_order():
+    rows = rows_of(
+        spec(repeats=2),
+        status={("OURS", 0): (Status.ERROR, "out of memory"), ("OURS", 1): (Status.TIMEOUT, "boom")},
+    )
+    assert build_matrix(rows).rows[KEY]["OURS"]["reason"] == "boom; out of memory"
+
+
+def test_waste_ratio_and_in_time_coverage_intervals_stop_at_one():
+    # Repeats 0.75 and 1.0: mean 0.875, std 0.25/sqrt(2); t(0.975, 1) = 12.706 puts the raw interval at about
+    # [-0.71, 2.46]: clipped to [0, 1].
+    def route(r):
+        return {
+            "predicted_experts": 100,
+            "actual_experts": 80,
+            "covered_experts": 70,
+            "coverage": 0.875,
+            "waste_ratio": [0.75, 1.0][r],
+        }
+
+    rows = rows_of(
+        spec(repeats=2), OURS={"route_ahead": route, "prefetched_in_time_coverage": lambda r: [0.75, 1.0][r]}
+    )
+    agg = build_matrix(rows).stats[(KEY, "OURS")]
+    for column in ("route_ahead.waste_ratio", "prefetched_in_time_coverage"):
+        assert agg[column]["mean"] == 0.875
+        assert (agg[column]["ci95_low"], agg[column]["ci95_high"]) == (0.0, 1.0)
+
+
+def test_rows_without_a_cell_id_are_named_by_their_position_only():
+    rows = [r.model_copy(update={"cell_id": None}) for r in rows_of(spec())]
+    with pytest.raises(
+        InputError,
+        match=exactly(
+            "duplicate identity (model=m, baseline=B1, block_size=8, concurrency=1, repeat=0): row 2 and row 5"
+        ),
+    ):
+        build_matrix([*rows, rows[1]])
+    with_ids = rows_of(spec())
+    with pytest.raises(InputError) as err:
+        build_matrix([*with_ids, with_ids[1]])
+    cell = with_ids[1].cell_id
+    assert str(err.value).endswith(f": row 2 (cell {cell}) and row 5 (cell {cell})")
