@@ -192,3 +192,11 @@ def test_the_stored_form_is_plain_json_data():
     assert data["acceptance_histogram"] == {"1": 2, "3": 5}
     assert data["engine"] == {"name": "x", "spread": None}
     assert json.loads(json.dumps(data, allow_nan=False)) == data
+
+
+def test_the_stored_form_keeps_latency_and_drops_empty_fields():
+    stats = {"n": 2, "mean": 0.25, "p50": 0.25, "p90": 0.29, "p99": 0.299, "max": 0.3}
+    data = parse_row(upstream_row(latency={"ttft_seconds": stats}), where="t").to_json_dict()
+    assert data["latency"] == {"ttft_seconds": stats}
+    bare = parse_row(upstream_row(), where="t").to_json_dict()
+    assert not {"latency", "warnings", "engine", "timings"} & set(bare)
