@@ -339,3 +339,30 @@ def test_rows_without_a_cell_id_are_named_by_their_position_only():
         build_matrix([*with_ids, with_ids[1]])
     cell = with_ids[1].cell_id
     assert str(err.value).endswith(f": row 2 (cell {cell}) and row 5 (cell {cell})")
+
+
+def ours_row_with_hide(hide: dict) -> Row:
+    cell = next(c for c in expand(spec()) if c.baseline == "OURS")
+    return Row.from_result(cell, result("OURS", 0, hide_inequality=hide))
+
+
+def test_a_brief_takes_the_hide_results_from_the_recomputation_not_the_stored_row():
+    good = evaluate_hide_inequality(**HIDE).model_dump()  # fetch 1 s, window 1.25 s, margin 0.25 s
+    row = ours_row_with_hide(
+        {**good, "fetch_seconds": 9.0, "hide_window_seconds": 7.0, "margin_seconds": -2.0}
+    )
+    numbers = dict(zip(NUMERIC_COLUMNS, brief_of(row).numbers, strict=True))
+    assert numbers["hide_inequality.fetch_seconds"] == 1.0
+    assert numbers["hide_inequality.hide_window_seconds"] == 1.25
+    assert numbers["hide_inequality.margin_seconds"] == 0.25
+
+
+def test_a_margin_that_is_zero_up_to_rounding_is_no_mismatch():
+    # 10 bytes: fetch (1 - 0.5) * 1 * 10 / 4 = 1.25 s = window 0.5 + 0.25 + 0.5 s, so the margin is exactly 0;
+    # a stored 5e-13 s is within the absolute tolerance (1e-12 s), where no relative tolerance can help.
+    exact = evaluate_hide_inequality(**{**HIDE, "total_expert_bytes": 10.0}).model_dump()
+    assert exact["margin_seconds"] == 0.0
+    assert recompute_hide(ours_row_with_hide({**exact, "margin_seconds": 5e-13}))[1] is None
+    assert recompute_hide(ours_row_with_hide({**exact, "margin_seconds": 5e-12}))[1] == (
+        "margin_seconds stored 5e-12, recomputed 0"
+    )
