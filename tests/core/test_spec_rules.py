@@ -253,3 +253,84 @@ def test_an_engine_loads_a_link_ablation_model_with_the_first_rate():
     }
     plain = ModelSpec(id="c", engine_options={"emulated_h2d_gbps": 2.5})
     assert plain.single_valued() is plain
+
+
+def test_a_cell_id_is_the_hash_of_its_fields_and_of_what_the_spec_measures():
+    """Recomputed from the definition (spec.py: ``sha256(canonical({"cell": fields, **measured}))[:16]``),
+    with every measured part written out: a renamed key or a part hashed in another form changes every
+    stored cell id (resume would no longer recognise a single row)."""
+    import datetime
+    import hashlib
+    import json
+
+    model = {
+        "id": "a",
+        "preset": "micro",
+        "draft": "da",
+        "engine_options": {"since": datetime.date(2024, 1, 2)},
+    }
+    spec = parse_spec(
+        data(
+            models=[model],
+            memory={"expert_cache_fraction": 0.5},
+            slo={"ttft_ms": 200.0},
+            env={"X": "1"},
+            workload={"max_new_tokens": 40, "temperature": 1},
+            hardware={"cpus_per_runner": 2, "custom_resource": "gpu_box", "compute_capability": [9, 0]},
+        )
+    )
+    measured = {
+        "engine": "reference",
+        "model": {
+            "id": "a",
+            "path": None,
+            "draft": "da",
+            "offload_dir": None,
+            "preset": "micro",
+            "engine_options": {"since": "2024-01-02"},
+        },
+        "workload": {
+            "requests": 64,
+            "warmup_rounds": 5,
+            "prompts": "synthetic",
+            "prompt_tokens": 32,
+            "temperature": 1.0,
+            "seed": 1408,
+        },
+        "expert_cache_fraction": 0.5,
+        "slo": {"ttft_ms": 200.0, "tpot_ms": None},
+        "hardware": {
+            "accelerator_type": "RTX-PRO-6000",
+            "gpu_name": None,
+            "compute_capability": [9, 0],
+            "gpus_per_cell": 1,
+            "device": "auto",
+        },
+        "env": {"X": "1"},
+    }
+
+    def expected_id(fields):
+        text = json.dumps({"cell": fields, **measured}, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    cells = expand(spec)
+    ours = next(c for c in cells if c.baseline == "OURS" and c.block_size == 8 and c.concurrency == 2)
+    fields = {
+        "model": "a",
+        "draft": "da",
+        "baseline": "OURS",
+        "block_size": 8,
+        "concurrency": 2,
+        "repeat": ours.repeat,
+        "block_sizes_covered": [8],
+        "max_new_tokens": 40,
+        "offloaded": True,
+        "memory_ratio": 0.85,
+    }
+    assert ours.cell_id == expected_id(fields)
+    for cell in cells:
+        fields = {
+            **cell.model_dump(mode="json", exclude={"cell_id", "ablation"}),
+            "block_sizes_covered": list(cell.block_sizes_covered),
+        }
+        assert cell.cell_id == expected_id(fields), cell
