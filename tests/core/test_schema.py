@@ -200,3 +200,30 @@ def test_the_stored_form_keeps_latency_and_drops_empty_fields():
     assert data["latency"] == {"ttft_seconds": stats}
     bare = parse_row(upstream_row(), where="t").to_json_dict()
     assert not {"latency", "warnings", "engine", "timings"} & set(bare)
+
+
+def test_a_row_attaches_the_cells_identity_and_keeps_the_result_as_it_is():
+    """``from_result`` adds identity and bookkeeping only: the result's free-form values stay as the engine
+    gave them (a None included), and a single-valued cell's row has no ablation (the stored row none either)."""
+    spec = parse_spec(
+        {
+            "name": "t",
+            "models": [{"id": "m", "draft": "d"}],
+            "baselines": ["OURS"],
+            "block_sizes": [8],
+            "concurrency": [2],
+            "repeats": 1,
+        }
+    )
+    cell = expand(spec)[0]
+    result = EngineResult(
+        **METRICS,
+        engine={"name": "x", "preset": None},
+        route_ahead={"steps": 4, "coverage": None},
+    )
+    row = Row.from_result(cell, result, attempt=1)
+    assert row.engine == {"name": "x", "preset": None}
+    assert row.route_ahead == {"steps": 4, "coverage": None}
+    assert row.ablation is None and "ablation" not in row.to_json_dict()
+    failed = Row.without_metrics(cell, Status.ERROR, "engine raised")
+    assert failed.ablation is None and "ablation" not in failed.to_json_dict()
