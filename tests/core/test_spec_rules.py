@@ -334,3 +334,12 @@ def test_a_cell_id_is_the_hash_of_its_fields_and_of_what_the_spec_measures():
             "block_sizes_covered": list(cell.block_sizes_covered),
         }
         assert cell.cell_id == expected_id(fields), cell
+
+
+def test_a_spec_given_as_data_is_named_spec_in_its_errors():
+    with pytest.raises(InputError) as err:
+        parse_spec(["not", "a", "mapping"])
+    assert str(err.value) == "<spec>: a sweep spec must be a mapping, got list"
+    with pytest.raises(InputError) as err:
+        parse_spec(data(repeats=0))
+    assert str(err.value).startswith("<spec>: ") and "repeats" in str(err.value)
