@@ -22,13 +22,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 KILLED = {1, 3, 36, 24, -24, 152, 255}  # killed, pytest internal error, timeouts (mutmut's own mapping)
 SURVIVED, NO_TESTS = 0, {5, 33}
+EQUIVALENT_SECTION = "### Surviving mutants judged equivalent"
 EQUIVALENT = re.compile(r"^\|\s*`(?P<name>[\w.]+__mutmut_\d+)`\s*\|")
 
 
 def equivalent_mutants(doc: Path) -> set[str]:
+    """Mutant names in the table of the section "Surviving mutants judged equivalent" (only that section: the
+    page also lists survivors that are not equivalent)."""
     if not doc.exists():
         return set()
-    return {m["name"] for line in doc.read_text().splitlines() if (m := EQUIVALENT.match(line))}
+    text = doc.read_text()
+    start = text.find(EQUIVALENT_SECTION)
+    if start < 0:
+        return set()
+    section = text[start + len(EQUIVALENT_SECTION) :].split("\n#", 1)[0]
+    return {m["name"] for line in section.splitlines() if (m := EQUIVALENT.match(line))}
 
 
 def module_of(mutant: str) -> str:
