@@ -124,10 +124,8 @@ class TargetModel:
 
         return DynamicCache(config=self.model.config)
 
-    def _embed(self, blocks: Sequence[Block], layers: int) -> tuple[torch.Tensor, _Rows]:
-        """Embeddings of the concatenated block tokens, with each block's span, rotary terms and masks."""
-        base = self.model.model
-        ids = torch.tensor([t for b in blocks for t in b.tokens], device=self.device)[None]
+    def _spans_and_positions(self, blocks: Sequence[Block]) -> tuple[list[tuple[int, int]], torch.Tensor]:
+        """Each block's (start, end) in the concatenated rows, and the rows' positions in their requests."""
         spans, start = [], 0
         for b in blocks:
             spans.append((start, start + len(b.tokens)))
@@ -135,6 +133,13 @@ class TargetModel:
         positions = torch.cat(
             [torch.arange(b.request.cached, b.request.cached + len(b.tokens)) for b in blocks]
         ).to(self.device)[None]
+        return spans, positions
+
+    def _embed(self, blocks: Sequence[Block], layers: int) -> tuple[torch.Tensor, _Rows]:
+        """Embeddings of the concatenated block tokens, with each block's span, rotary terms and masks."""
+        base = self.model.model
+        ids = torch.tensor([t for b in blocks for t in b.tokens], device=self.device)[None]
+        spans, positions = self._spans_and_positions(blocks)
         h = base.embed_tokens(ids)
         rope = base.rotary_emb(h, positions)
         masks = [
@@ -263,13 +268,7 @@ class TargetModel:
         """The kept residuals concatenated, with rotary terms for the block positions and the kept masks."""
         base = self.model.model
         h = torch.cat([b.prefix.residual for b in blocks])[None]
-        spans, start = [], 0
-        for b in blocks:
-            spans.append((start, start + len(b.tokens)))
-            start += len(b.tokens)
-        positions = torch.cat(
-            [torch.arange(b.request.cached, b.request.cached + len(b.tokens)) for b in blocks]
-        ).to(self.device)[None]
+        spans, positions = self._spans_and_positions(blocks)
         rows = _Rows(spans, base.rotary_emb(h, positions), [b.prefix.masks for b in blocks])
         for b in blocks:
             b.prefix = None
