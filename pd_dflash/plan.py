@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 from pd_dflash.ablation import ABLATION_AXES, ablation_settings
+from pd_dflash.baselines import BLOCK_INDEPENDENT
 from pd_dflash.spec import Cell, SweepSpec, iter_cells
-from pd_dflash.upstream import BLOCK_INDEPENDENT_BASELINES
 
 BlockedReason = Callable[[Cell], "str | None"]
 
@@ -42,7 +42,7 @@ def plan_summary(
         f"{m.id}|{b}": (len(spec.block_sizes) - 1) * len(spec.concurrency) * spec.repeats
         for m in spec.models
         for b in spec.baselines
-        if b in BLOCK_INDEPENDENT_BASELINES and len(spec.block_sizes) > 1
+        if b in BLOCK_INDEPENDENT and len(spec.block_sizes) > 1
     }
     settings = sum(len(ablation_settings(spec, m)) for m in spec.models)  # ablation settings per model
     upstream_rows = settings * len(spec.baselines) * len(spec.block_sizes) * len(spec.concurrency)

@@ -16,9 +16,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pd_dflash.ablation import group_model, identity_of
+from pd_dflash.baselines import Baseline
 from pd_dflash.errors import InputError, excerpt, format_validation_error
 from pd_dflash.spec import Cell
-from pd_dflash.upstream import RATIO_METRICS, REQUIRED_METRICS, ROUTE_AHEAD_KEYS, Baseline
+from pd_dflash.upstream import RATIO_METRICS, REQUIRED_METRICS, ROUTE_AHEAD_KEYS
 
 
 class Status(str, Enum):

@@ -20,16 +20,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pd_dflash.ablation import ablation_settings, group_model, identity_of
+from pd_dflash.baselines import BLOCK_INDEPENDENT, OFFLOADED, SPECULATIVE, Baseline, configuration
 from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.safe_load import decode_utf8, load_yaml
-from pd_dflash.upstream import (
-    BLOCK_INDEPENDENT_BASELINES,
-    OFFLOAD_RATIO_LIMIT,
-    OFFLOADED_BASELINES,
-    REQUIRED_METRICS,
-    SPECULATIVE_BASELINES,
-    Baseline,
-)
+from pd_dflash.upstream import OFFLOAD_RATIO_LIMIT, REQUIRED_METRICS
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 #: Default bound on the cells of one sweep (``max_cells`` in the spec).
@@ -317,7 +311,7 @@ class Cell(_Strict):
 
     @property
     def speculative(self) -> bool:
-        return self.baseline in SPECULATIVE_BASELINES
+        return self.baseline in SPECULATIVE
 
 
 def _digest(obj: Any) -> str:
@@ -348,9 +342,7 @@ def _id_suffix(spec: SweepSpec, model: ModelSpec) -> str:
 
 def _cells_per_model(spec: SweepSpec) -> int:
     return sum(
-        (1 if b in BLOCK_INDEPENDENT_BASELINES else len(spec.block_sizes))
-        * len(spec.concurrency)
-        * spec.repeats
+        (1 if b in BLOCK_INDEPENDENT else len(spec.block_sizes)) * len(spec.concurrency) * spec.repeats
         for b in spec.baselines
     )
 
@@ -379,21 +371,21 @@ def iter_cells(spec: SweepSpec) -> Iterator[Cell]:
     for model in spec.models:
         suffix = _id_suffix(spec, model)
         for baseline in spec.baselines:
-            independent = baseline in BLOCK_INDEPENDENT_BASELINES
+            independent = baseline in BLOCK_INDEPENDENT
             block_sizes = [smallest] if independent else spec.block_sizes
             for block_size in block_sizes:
                 covered = tuple(sorted(spec.block_sizes)) if independent else (block_size,)
                 # auto max_new_tokens follows the largest block this row stands for, so B0 rows are the
                 # same measurement whichever block-size group shows them.
                 max_new = spec.workload.resolve_max_new_tokens(largest if independent else block_size)
-                offloaded = baseline in OFFLOADED_BASELINES
+                offloaded = baseline in OFFLOADED
                 ratio = spec.memory.device_memory_ratio if offloaded else spec.memory.resident_memory_ratio
                 for conc, repeat, ablation in itertools.product(
                     spec.concurrency, range(spec.repeats), ablation_settings(spec, model)
                 ):
                     fields = {
                         "model": model.id,
-                        "draft": model.draft if baseline != "B0" else "",
+                        "draft": model.draft if configuration(baseline).speculative else "",
                         "baseline": baseline,
                         "block_size": block_size,
                         "concurrency": conc,

@@ -7,11 +7,7 @@ header and the configurations a complete group needs. The rest of the package im
 
 from __future__ import annotations
 
-from typing import Literal
-
-Baseline = Literal["B0", "B1", "B2", "B3", "OURS"]
-BASELINE_ORDER: tuple[str, ...] = ("B0", "B1", "B2", "B3", "OURS")
-#: Upstream's description strings, kept verbatim.
+#: Upstream's description strings, kept verbatim (what each configuration does: ``baselines.py``).
 BASELINE_DESCRIPTIONS: dict[str, str] = {
     "B0": "AR MoE on MoE-Infinity, offloaded, no speculative decoding",
     "B1": "DFlash with unchanged AR prefetcher",
@@ -19,13 +15,6 @@ BASELINE_DESCRIPTIONS: dict[str, str] = {
     "B3": "target experts resident, no offload upper bound",
     "OURS": "DFlash with route-ahead prefetch and the 2-D co-designed scheduler",
 }
-#: Baselines that must really be offloaded (upstream refuses them when nothing is offloaded).
-OFFLOADED_BASELINES = frozenset({"B0", "B1", "B2", "OURS"})
-#: Baselines that decode speculatively with a block of B tokens. Upstream built the DFlash speculator for every
-#: configuration but B0: its B3 is speculative decoding with every expert resident, measured per block size.
-SPECULATIVE_BASELINES = frozenset({"B1", "B2", "B3", "OURS"})
-#: Baselines whose measurement does not depend on the block size: measured once per (model, c, repeat).
-BLOCK_INDEPENDENT_BASELINES = frozenset({"B0"})
 #: Upstream's configurations of a complete group (``evaluate_matrix`` loops over these only).
 UPSTREAM_BASELINES: tuple[str, ...] = ("B0", "B1", "B2", "B3")
 #: Upstream refuses an offloaded ratio at or above this: the model would not offload.

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
+from pd_dflash.baselines import ORDER
 from pd_dflash.errors import InputError, excerpt, format_validation_error
 from pd_dflash.spec import ModelSpec, SweepSpec, load_spec
-from pd_dflash.upstream import BASELINE_ORDER
 
 if TYPE_CHECKING:
     from pd_dflash.engine.interface import Engine
@@ -37,7 +37,7 @@ class EngineTraits:
     entry_point: str
     #: ``module:Class`` of the pydantic model validating ``engine_options`` (a pure module), or None.
     options_model: str | None = None
-    supported_baselines: frozenset[str] = frozenset(BASELINE_ORDER)
+    supported_baselines: frozenset[str] = frozenset(ORDER)
     #: True when B3 (resident) needs its own model load, e.g. a device-memory ratio fixed at load time.
     separate_resident_load: bool = False
     #: Modules that must be importable where the engine runs (checked by the sweep's preflight).

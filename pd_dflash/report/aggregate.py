@@ -18,10 +18,11 @@ from typing import Any
 
 import pandas as pd
 
+from pd_dflash.baselines import ORDER
 from pd_dflash.errors import InputError
 from pd_dflash.report.brief import NUMERIC_COLUMNS, RowBrief, brief_of
 from pd_dflash.schema import FINAL_STATUSES, Row, Status
-from pd_dflash.upstream import BASELINE_ORDER, RATIO_METRICS, REQUIRED_METRICS
+from pd_dflash.upstream import RATIO_METRICS, REQUIRED_METRICS
 
 
 def group_key(model: str, block_size: int, concurrency: int) -> str:
@@ -277,7 +278,7 @@ def build_matrix(rows: Sequence[Row | RowBrief], sources: Sequence[str] | None =
         group = groups.setdefault(gid, Group(*gid))
         group.by_baseline.setdefault(p.row.baseline, []).append(p)
     ordered = {g.key: g for _, g in sorted(groups.items())}
-    rank = {b: i for i, b in enumerate(BASELINE_ORDER)}
+    rank = {b: i for i, b in enumerate(ORDER)}
     for g in ordered.values():
         g.by_baseline = {
             b: sorted(ps, key=lambda p: p.row.repeat)

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pd_dflash.baselines import ORDER
 from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.report.aggregate import Matrix, build_matrix
 from pd_dflash.report.brief import RowBrief, brief_of
@@ -24,7 +25,6 @@ from pd_dflash.report.render import dumps, matrix_csv, matrix_markdown
 from pd_dflash.rows import ROWS_FILE, RowSource, iter_rows, read_line_at, write_atomic
 from pd_dflash.schema import Row
 from pd_dflash.spec import Gates, SweepSpec
-from pd_dflash.upstream import BASELINE_ORDER
 
 
 def _evaluate(
@@ -101,13 +101,13 @@ def effective_gates(
     """The gates of ``spec`` (built-in thresholds without one), widened by the command line's allowances."""
     gates = spec.gates if spec is not None else Gates()
     extra = list(allow_blocked)
-    unknown = [b for b in extra if b not in BASELINE_ORDER]
+    unknown = [b for b in extra if b not in ORDER]
     if unknown:
         raise InputError(
-            f"unknown baseline {unknown[0]!r}; use one of {', '.join(BASELINE_ORDER)}",
+            f"unknown baseline {unknown[0]!r}; use one of {', '.join(ORDER)}",
             where="--allow-blocked",
         )
-    merged = [b for b in BASELINE_ORDER if b in set(gates.allow_blocked) | set(extra)]
+    merged = [b for b in ORDER if b in set(gates.allow_blocked) | set(extra)]
     unmeasured = list(gates.allow_unmeasured)
     unmeasured += [m for m in allow_unmeasured if m not in unmeasured]
     try:

@@ -11,12 +11,13 @@ from itertools import pairwise
 from typing import Any
 
 from pd_dflash.ablation import ablation_settings, group_model
+from pd_dflash.baselines import GATED, ORDER
 from pd_dflash.costmodel import bm1_summary, evaluate_hide_inequality
 from pd_dflash.report.aggregate import Group, Matrix, Placed, group_key
 from pd_dflash.report.brief import HIDE_TERMS
 from pd_dflash.schema import BLOCKED_STATUSES, FAILED_STATUSES, Status
 from pd_dflash.spec import Gates, SweepSpec
-from pd_dflash.upstream import BASELINE_ORDER, UPSTREAM_BASELINES
+from pd_dflash.upstream import UPSTREAM_BASELINES
 
 PASS, FAIL, NOT_EVALUATED, DISABLED = "pass", "fail", "not evaluated", "disabled"
 #: The gates that decide go/no-go (completeness decides only whether the verdict can be GO).
@@ -53,15 +54,13 @@ class Expectations:
                 for b in sorted(spec.block_sizes)
                 for c in sorted(spec.concurrency)
             )
-            return cls(
-                grid, tuple(b for b in BASELINE_ORDER if b in spec.baselines), tuple(range(spec.repeats))
-            )
+            return cls(grid, tuple(b for b in ORDER if b in spec.baselines), tuple(range(spec.repeats)))
         seen_b, seen_r = set(UPSTREAM_BASELINES), set()
         for g in matrix.groups.values():
             for b, ps in g.by_baseline.items():
                 seen_b.add(b)
                 seen_r.update(p.row.repeat for p in ps)
-        return cls(None, tuple(b for b in BASELINE_ORDER if b in seen_b), tuple(sorted(seen_r)))
+        return cls(None, tuple(b for b in ORDER if b in seen_b), tuple(sorted(seen_r)))
 
 
 def _gate(status: str, summary: str = "", **detail: Any) -> dict[str, Any]:
@@ -245,7 +244,7 @@ def _speedup(matrix: Matrix, group: Group, expect: Expectations, gates: Gates, s
     key = group.key
     configs = [
         b
-        for b in BASELINE_ORDER
+        for b in GATED
         if b != "B0" and b not in skipped and (b in expect.baselines or b in group.by_baseline)
     ]
     b0 = matrix.mean(key, "B0", TOKENS)

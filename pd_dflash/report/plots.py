@@ -7,13 +7,13 @@ import hashlib
 import io
 import re
 
+from pd_dflash.baselines import BY_NAME, ORDER
 from pd_dflash.report.aggregate import Matrix
-from pd_dflash.upstream import BASELINE_ORDER
 
 TOKENS = "output_tokens_per_second"
 
-_STYLE = {"B0": "o-", "B1": "s-", "B2": "^-", "B3": "D--", "OURS": "*-"}
-_COLOR = {"B0": "tab:blue", "B1": "tab:orange", "B2": "tab:green", "B3": "tab:red", "OURS": "tab:purple"}
+_STYLE = {name: c.plot_style for name, c in BY_NAME.items()}
+_COLOR = {name: c.plot_color for name, c in BY_NAME.items()}
 
 
 def _slug(model: str) -> str:
@@ -61,7 +61,7 @@ def _tokens_per_second(matrix: Matrix, model: str, blocks: list[int], concs: lis
     fig = Figure(figsize=(5.5 * len(blocks), 4.2), layout="constrained")
     axes = fig.subplots(1, len(blocks), squeeze=False)[0]
     for ax, bsz in zip(axes, blocks, strict=True):
-        for b in BASELINE_ORDER:
+        for b in ORDER:
             pts = tps.get((b, bsz))
             if pts:
                 cs, ys, hs = zip(*pts, strict=True)
@@ -111,10 +111,10 @@ def _acceptance_length(matrix: Matrix, model: str, blocks: list[int], concs: lis
     acc = _series(matrix, model, "acceptance_length_a")
     fig = Figure(figsize=(6, 4.2), layout="constrained")
     ax = fig.subplots()
-    for b in BASELINE_ORDER:
+    for b in ORDER:
         for j, bsz in enumerate(blocks):
             pts = acc.get((b, bsz))
-            if pts and b != "B0":
+            if pts and BY_NAME[b].speculative:
                 cs, ys, hs = zip(*pts, strict=True)
                 fmt = _STYLE[b][0] + ("-" if j == len(blocks) - 1 else "--")
                 ax.errorbar(cs, ys, yerr=hs, fmt=fmt, color=_COLOR[b], label=f"{b} B={bsz}", capsize=3)

@@ -7,11 +7,12 @@ import io
 import json
 from typing import Any
 
+from pd_dflash.baselines import ORDER
 from pd_dflash.report.aggregate import Matrix
 from pd_dflash.report.brief import EXTRA_COLUMNS
 from pd_dflash.report.gates import DISABLED, FAIL, GATES, NOT_EVALUATED, PASS, bm1_on_means, hide_on_means
 from pd_dflash.spec import Gates
-from pd_dflash.upstream import BASELINE_ORDER, REQUIRED_METRICS, UPSTREAM_CSV_COLUMNS
+from pd_dflash.upstream import REQUIRED_METRICS, UPSTREAM_CSV_COLUMNS
 
 _EXTRA_CSV = {c: c.replace(".", "_") for c in EXTRA_COLUMNS}
 #: pd-dflash's columns after upstream's.
@@ -190,7 +191,7 @@ def matrix_markdown(matrix: Matrix, verdicts: dict[str, dict], overall: dict, ga
         keys = [k for k in verdicts if k.rsplit("|", 2)[0] == model]
         present = {b for k in keys for b in matrix.rows.get(k, {})}
         expected = {b for k in keys for b in verdicts[k]["missing"]}
-        baselines = [b for b in BASELINE_ORDER if b in present | expected]
+        baselines = [b for b in ORDER if b in present | expected]
         lines += ["", f"## {model}", *_shared_note(verdicts, keys)]
         lines += _metric_tables(matrix, keys, baselines)
         lines += _gates_table(verdicts, keys)

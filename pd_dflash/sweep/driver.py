@@ -22,6 +22,7 @@ from pd_dflash.spec import SweepSpec, expand
 from pd_dflash.sweep import preflight
 from pd_dflash.sweep.health import Health
 from pd_dflash.sweep.options import Outcome, RunOptions, SweepInterrupted
+from pd_dflash.sweep.placement import Estimator, Placement, Task, load_key
 from pd_dflash.sweep.pool import (
     CellDone,
     CellFailed,
@@ -37,7 +38,6 @@ from pd_dflash.sweep.pool import (
 from pd_dflash.sweep.preflight import Box
 from pd_dflash.sweep.progress import Progress, format_duration
 from pd_dflash.sweep.resume import Mode, StoredCell, cells_to_run
-from pd_dflash.sweep.scheduler import Estimator, Scheduler, Task, load_key
 from pd_dflash.sweep.sink import Sink, cause_line
 from pd_dflash.sweep.store import utc_now
 
@@ -55,7 +55,7 @@ class SweepDriver:
         self.opts = options
         self.cells = expand(spec)
         self.estimator = Estimator(spec)
-        self.scheduler = Scheduler(spec.engine, self.estimator)
+        self.scheduler = Placement(spec.engine, self.estimator)
         self.progress = progress or Progress(len(self.cells), tty=options.progress)
         self.boxes: list[Box] = []
         self.pool = RunnerPool(spec)

@@ -27,10 +27,10 @@ from ray.exceptions import RayActorError
 from pd_dflash.schema import Status
 from pd_dflash.spec import SweepSpec
 from pd_dflash.sweep import preflight
+from pd_dflash.sweep.placement import LoadKey, Placement
 from pd_dflash.sweep.pool import CellTimedOut, LoadFailed, LoadTimedOut, RunnerDied, RunnerPool, Slot
 from pd_dflash.sweep.preflight import Box
 from pd_dflash.sweep.runner import DeviceMismatch
-from pd_dflash.sweep.scheduler import LoadKey, Scheduler
 from pd_dflash.sweep.sink import Sink, cause_line, first_line
 from pd_dflash.sweep.store import utc_now
 
@@ -42,7 +42,7 @@ class Health:
         options: Any,
         boxes: list[Box],
         pool: RunnerPool,
-        scheduler: Scheduler,
+        scheduler: Placement,
         sink: Sink,
         event: Callable[[str], None],
     ) -> None:

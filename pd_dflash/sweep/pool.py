@@ -25,9 +25,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pd_dflash.engine import registry
 from pd_dflash.spec import SweepSpec
 from pd_dflash.sweep import preflight
+from pd_dflash.sweep.placement import LoadKey, Task
 from pd_dflash.sweep.preflight import Box
 from pd_dflash.sweep.runner import RunnerActor
-from pd_dflash.sweep.scheduler import LoadKey, Task
 
 
 class SlotState(str, Enum):

@@ -27,10 +27,10 @@ from pd_dflash.spec import SweepSpec
 from pd_dflash.sweep import preflight
 from pd_dflash.sweep.collector import Collector
 from pd_dflash.sweep.manifest import environment_manifest
+from pd_dflash.sweep.placement import Estimator, Task
 from pd_dflash.sweep.pool import Call, Slot
 from pd_dflash.sweep.preflight import Box
 from pd_dflash.sweep.resume import Mode, StoredCell
-from pd_dflash.sweep.scheduler import Estimator, Task
 from pd_dflash.sweep.store import StorageError, utc_now
 
 NAMESPACE = "pd-dflash"

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
+from pd_dflash.baselines import BLOCK_INDEPENDENT
 from pd_dflash.costmodel import evaluate_hide_inequality
 from pd_dflash.report.aggregate import build_matrix
 from pd_dflash.report.gates import Expectations, evaluate, overall
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import Gates, expand, parse_spec
-from pd_dflash.upstream import BLOCK_INDEPENDENT_BASELINES
 from tests.core.test_gate_boundaries import HIDE, result
 
 KEY = "m|B8|c1"
@@ -370,13 +370,13 @@ def test_expectations_without_a_spec_are_upstreams_baselines_and_the_repeats_see
     assert e.groups == (("m", 8, 1),) and e.baselines == ("B0", "OURS") and e.repeats == (0, 1, 2)
 
 
-@pytest.mark.parametrize("shared_baseline", sorted(BLOCK_INDEPENDENT_BASELINES))
+@pytest.mark.parametrize("shared_baseline", sorted(BLOCK_INDEPENDENT))
 def test_rows_shared_across_block_sizes_are_named_in_every_group(shared_baseline):
     s = spec(block_sizes=(8, 16))
     details, _ = judge(rows_of(s), s=s)
     for key in ("m|B8|c1", "m|B16|c1"):
         assert details[key]["shared_across_block_sizes"][shared_baseline] == [8, 16]
-        assert set(details[key]["shared_across_block_sizes"]) == BLOCK_INDEPENDENT_BASELINES
+        assert set(details[key]["shared_across_block_sizes"]) == BLOCK_INDEPENDENT
 
 
 # -- what mutation testing found unpinned ------------------------------------------------------------------------

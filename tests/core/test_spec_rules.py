@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from pd_dflash.baselines import BLOCK_INDEPENDENT, OFFLOADED, SPECULATIVE
 from pd_dflash.errors import InputError
 from pd_dflash.spec import Hardware, Workload, cell_count, expand, iter_cells, load_spec, parse_spec
-from pd_dflash.upstream import BLOCK_INDEPENDENT_BASELINES, OFFLOADED_BASELINES, SPECULATIVE_BASELINES
 
 
 def data(**over):
@@ -56,9 +56,9 @@ def test_cells_come_in_a_fixed_order_with_what_each_measures():
     ]
     assert all(c.draft == "db" for c in b1)
     for c in cells:
-        assert c.offloaded == (c.baseline in OFFLOADED_BASELINES)
+        assert c.offloaded == (c.baseline in OFFLOADED)
         assert c.memory_ratio == (0.85 if c.offloaded else 0.98)
-        assert c.speculative == (c.baseline in SPECULATIVE_BASELINES)
+        assert c.speculative == (c.baseline in SPECULATIVE)
     assert len({c.cell_id for c in cells}) == len(cells) and all(len(c.cell_id) == 16 for c in cells)
     assert list(iter_cells(spec)) == cells
 
@@ -186,8 +186,8 @@ def test_spec_files_that_cannot_be_specs(tmp_path):
 
 
 def test_block_independent_baselines_are_measured_once_per_concurrency_and_repeat():
-    spec = parse_spec(data(baselines=sorted(BLOCK_INDEPENDENT_BASELINES)))
-    assert cell_count(spec) == 2 * len(BLOCK_INDEPENDENT_BASELINES) * 2 * 2
+    spec = parse_spec(data(baselines=sorted(BLOCK_INDEPENDENT)))
+    assert cell_count(spec) == 2 * len(BLOCK_INDEPENDENT) * 2 * 2
 
 
 def test_a_spec_that_never_ends_is_refused_after_one_byte_past_the_limit(tmp_path):

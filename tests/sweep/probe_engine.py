@@ -6,8 +6,8 @@ preflight brings back from a box) to plan and schedule.
 
 from __future__ import annotations
 
+from pd_dflash.baselines import ORDER
 from pd_dflash.engine.registry import EngineTraits
-from pd_dflash.upstream import BASELINE_ORDER
 from tests.sweep.engines import FixedDurationEngine
 
 ENTRY_POINT = "tests.sweep.probe_engine:ProbeEngine"
@@ -17,7 +17,7 @@ class ProbeEngine(FixedDurationEngine):
     traits = EngineTraits(
         entry_point=ENTRY_POINT,
         options_model="tests.sweep.engines:FixedDurationOptions",
-        supported_baselines=frozenset(BASELINE_ORDER) - {"B2"},
+        supported_baselines=frozenset(ORDER) - {"B2"},
         unsupported_reason={"B2": "the probe engine has no token-deficit scheduler"},
         separate_resident_load=True,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pd_dflash.baselines import configuration
 from pd_dflash.engine.interface import EngineContext, Refused
 from pd_dflash.engine.moe_infinity import metrics as m
 from pd_dflash.engine.moe_infinity.features import ROUTE_AHEAD_SEAM
@@ -90,7 +91,7 @@ def _check_drafter(loaded: Loaded, cell: Cell) -> None:
 
 def _check_verify_scheduler(loaded: Loaded, cell: Cell) -> None:
     build = loaded.build
-    if cell.baseline not in ("B2", "OURS") or _sessions(loaded):
+    if configuration(cell.baseline).admission == "all" or _sessions(loaded):
         return
     missing = [] if build.verify_scheduler else ["verify budgets in the serving Scheduler"]
     missing += [] if build.session_seam else ["DFlashSpeculator begin_session/draft_round/verify_round"]
@@ -101,9 +102,10 @@ def _check_verify_scheduler(loaded: Loaded, cell: Cell) -> None:
 
 
 def _check_route_ahead_switch(loaded: Loaded, cell: Cell) -> None:
-    """B1/B2/B3 need route-ahead switchable off; OURS needs a prefetcher to bind."""
+    """A configuration without route-ahead (B1/B2/B3) needs it switchable off; one with it (OURS) needs a
+    prefetcher to bind."""
     b = cell.baseline
-    if b in ("B1", "B2", "B3"):
+    if not configuration(b).route_ahead:
         if not loaded.build.route_ahead_switch:
             raise Refused(
                 Status.REFUSED,
@@ -119,7 +121,7 @@ def _check_route_ahead_switch(loaded: Loaded, cell: Cell) -> None:
             )
     elif getattr(loaded.moe.engine, "expert_prefetcher", None) is None:
         raise Refused(
-            Status.REFUSED, "OURS needs route-ahead, but the offload engine exposes no expert_prefetcher"
+            Status.REFUSED, f"{b} needs route-ahead, but the offload engine exposes no expert_prefetcher"
         )
 
 
@@ -183,20 +185,22 @@ def _ours_byte_budget(options: MoEInfinityOptions, h2d: float | None) -> int:
 
 def plan(options: MoEInfinityOptions, loaded: Loaded, cell: Cell, h2d: float | None) -> CellPlan:
     """What the cell switches: speculator, route-ahead, verify budgets, serving path."""
-    b, bs, c = cell.baseline, cell.block_size, cell.concurrency
+    config, bs, c = configuration(cell.baseline), cell.block_size, cell.concurrency
     if not cell.speculative:
         return CellPlan(False, None, None, "ar_batched")
-    if b in ("B1", "B3"):  # B3: B1's speculative path on the resident load (upstream's B3)
+    if config.admission == "all":  # B3: B1's speculative path on the resident load (upstream's B3)
         if not _sessions(loaded):
             return CellPlan(True, False, None, "spec_whole_request")
         unbounded = B2_UNBOUNDED_EXPERT_BYTES
         return CellPlan(True, False, budgets(bs * c, bs * c, unbounded, unbounded), "spec_sessions")
     choice = options.verify_token_budget
     tokens = bs if choice == "block" else bs * c if choice == "block_x_concurrency" else int(choice)
-    if b == "B2":
+    if config.admission == "token_deficit":
         unbounded = B2_UNBOUNDED_EXPERT_BYTES
         return CellPlan(True, False, budgets(tokens, max(tokens, bs), unbounded, unbounded), "spec_sessions")
     byte_budget = _ours_byte_budget(options, h2d)
     # The cap must cover the largest single demand (a verify routing every expert, M bytes).
     byte_cap = max(byte_budget, m.total_expert_bytes(loaded.moe.engine) or 0)
-    return CellPlan(True, True, budgets(tokens, max(tokens, bs), byte_budget, byte_cap), "spec_sessions")
+    return CellPlan(
+        True, config.route_ahead, budgets(tokens, max(tokens, bs), byte_budget, byte_cap), "spec_sessions"
+    )

@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from pd_dflash.baselines import configuration
 from pd_dflash.engine.interface import Refused
 from pd_dflash.engine.reference.decode import Block
 from pd_dflash.engine.reference.offload import OffloadRuntime
@@ -48,8 +49,10 @@ def scheduler_for(
     longest_prompt: int,
     link_bytes_per_second: float | None = None,
 ) -> AdmitAll | DeficitAdmission:
-    """None (``AdmitAll``) for B0/B1/B3, the token deficit for B2, the 2-D deficit for OURS; ``Refused`` when a
-    cap is below the largest single demand of the cell (that round could never be admitted).
+    """The cell's admission (``baselines.py``): ``AdmitAll`` (B0/B1/B3), the token deficit (B2) or the 2-D deficit
+    (OURS), whose byte dimension prices each request's expected fetch by its prefetcher's ``keys``; ``Refused``
+    when a cap is below the largest single demand of the cell (that round could never be admitted) or the 2-D
+    deficit has no prefetcher to price bytes with.
 
     Defaults (documented in docs/reference-engine.md): tokens budget c·B (every in-flight request can verify a
     full block each step; a prefill longer than that is spread over steps by the deficit), tokens cap
@@ -58,7 +61,8 @@ def scheduler_for(
     (never binds); ``scheduler_budget_bytes`` fixes it per step instead (an ablation); bytes cap = the largest
     route-ahead fetch one round can make.
     """
-    if cell.baseline not in ("B2", "OURS"):
+    admission = configuration(cell.baseline).admission
+    if admission == "all":
         return AdmitAll()
     opts, b = options, cell.block_size
     largest_tokens = max(longest_prompt, b)
@@ -71,8 +75,14 @@ def scheduler_for(
             f"cell, {largest_tokens} tokens (the longest prompt or the block size): that round could never "
             f"be admitted. Fix: set it to at least {largest_tokens}",
         )
-    if cell.baseline == "B2":
+    if admission == "token_deficit":
         return DeficitAdmission(TokenDeficitScheduler(budget_tokens, cap_tokens))
+    if runtime.prefetcher is None:
+        raise Refused(
+            Status.REFUSED,
+            f"{cell.baseline}'s 2-D deficit scheduler prices each verify's expert bytes by its prefetcher's "
+            "prediction, but engine_options.prefetcher is none. Fix: use prefetcher activation_aware",
+        )
     store = runtime.store
     e, k, nbytes, layers = store.num_experts, top_k, store.expert_nbytes, len(store.layer_ids)
     largest_bytes = layers * min(largest_tokens * k, e) * nbytes

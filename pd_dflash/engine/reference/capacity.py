@@ -6,6 +6,7 @@ or less than one, is refused with the fix to apply.
 
 from __future__ import annotations
 
+from pd_dflash.baselines import configuration
 from pd_dflash.engine.interface import Refused
 from pd_dflash.engine.reference.expert_store import HostExpertStore
 from pd_dflash.engine.reference.options import ReferenceOptions
@@ -51,7 +52,7 @@ def expert_cache_capacity(
             f"{given} gives a cache of {capacity} B, smaller than one expert ({store.expert_nbytes} B). "
             "Fix: raise it to at least one expert",
         )
-    if cell.baseline == "OURS" and slots < 2:
+    if configuration(cell.baseline).route_ahead and slots < 2:
         raise Refused(
             Status.REFUSED,
             f"{given} gives a cache of one expert slot: route-ahead pins prefetched experts until their layer "

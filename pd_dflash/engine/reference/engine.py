@@ -1,16 +1,10 @@
 """``ReferenceEngine``: pd-dflash's own offloaded-MoE engine behind the ``Engine`` interface.
 
 Load once (model + host expert store + device), then per cell: build the cell's expert cache (bounded and
-linked for offloaded baselines, fully resident for B3), its decoding, prefetcher and scheduler, warm up, measure
-the timed requests with continuous batching at the cell's concurrency, and assemble the row.
-
-| baseline | decoding | prefetcher | scheduler |
-|---|---|---|---|
-| B0 | AR | the AR prefetcher (activation-aware) | none |
-| B1 | speculative (the drafter) | the AR prefetcher, unchanged | none (every request verifies every step) |
-| B2 | speculative | the AR prefetcher | token deficit |
-| B3 | speculative, every expert resident | the AR prefetcher, observe-only (no prediction counts) | none |
-| OURS | speculative, with the route-ahead proxy | route-ahead | 2-D deficit (tokens, expert bytes) |
+linked for offloaded configurations, fully resident otherwise), its decoding, prefetcher and admission, warm up,
+measure the timed requests with continuous batching at the cell's concurrency, and assemble the row. What each
+configuration decodes with, prefetches with and admits by comes from its entry in ``pd_dflash/baselines.py``
+(a resident configuration's AR prefetcher only observes: its rows carry no prediction counts).
 """
 
 from __future__ import annotations
@@ -25,6 +19,7 @@ from typing import Any
 import torch
 
 import pd_dflash
+from pd_dflash.baselines import configuration
 from pd_dflash.engine import nvml
 from pd_dflash.engine.interface import Engine, EngineContext, Refused
 from pd_dflash.engine.probe import measure_h2d_bytes_per_second
@@ -53,6 +48,7 @@ from pd_dflash.engine.reference.presets.catalog import get_preset
 from pd_dflash.engine.reference.presets.drafters import load_drafter
 from pd_dflash.engine.reference.prompts import prompt_facts
 from pd_dflash.engine.reference.route_prefetch import RouteAheadPrefetcher
+from pd_dflash.engine.reference.seams import Admission, Decoding
 from pd_dflash.engine.reference.serving import RoundRecord, run_requests
 from pd_dflash.engine.reference.speculative import BlockDrafterSource, EarlyExitDrafter, SpeculativeDecoding
 from pd_dflash.engine.reference.verify_width import CostAwareWidth
@@ -67,13 +63,13 @@ class _CellSetup:
 
     warm: list[Request]
     timed: list[Request]
-    decoding: Any  # AutoregressiveDecoding | SpeculativeDecoding
+    decoding: Decoding
     drafter_facts: dict[str, Any] | None
     #: Seconds this cell spent training or loading the DFlash drafter (None when it was loaded before).
     drafter_load_seconds: float | None
     runtime: OffloadRuntime
     link: LinkFacts
-    scheduler: Any  # AdmitAll | DeficitAdmission
+    scheduler: Admission
     telemetry_start: dict[str, Any] | None
     setup_seconds: float
 
@@ -264,8 +260,7 @@ class ReferenceEngine(Engine):
         if setup.warm:
             self._serve(cell, setup.warm, setup)
         setup.runtime.reset_measurement()
-        if hasattr(setup.scheduler, "reset"):
-            setup.scheduler.reset()
+        setup.scheduler.reset()
         return time.perf_counter() - start
 
     def _timed(self, cell: Cell, setup: _CellSetup) -> tuple[list[RoundRecord], float]:
@@ -324,7 +319,9 @@ class ReferenceEngine(Engine):
             return AutoregressiveDecoding(temperature), None
         if self.options.drafter == "early_exit":
             drafter = EarlyExitDrafter(
-                self.target, self.options.early_exit_layers, route_ahead=cell.baseline == "OURS"
+                self.target,
+                self.options.early_exit_layers,
+                route_ahead=configuration(cell.baseline).route_ahead,
             )
             return SpeculativeDecoding(drafter, cell.block_size, temperature), drafter.describe()
         if self.loaded.source != "preset":  # a published DFlash drafter (models[].draft), dflash/published.py
@@ -352,7 +349,9 @@ class ReferenceEngine(Engine):
                 Status.REFUSED,
                 f"block size {cell.block_size} exceeds the DFlash drafter's {drafter.config.block_size}",
             )
-        source = BlockDrafterSource(drafter, self.target, route_ahead=cell.baseline == "OURS")
+        source = BlockDrafterSource(
+            drafter, self.target, route_ahead=configuration(cell.baseline).route_ahead
+        )
         facts = {
             **source.describe(),
             "card": {k: card.get(k) for k in ("tau", "train", "params", "cache_hit")},
@@ -380,7 +379,7 @@ class ReferenceEngine(Engine):
             self.store, capacity, self.device, self.compute_dtype, policy=opts.eviction, link=link
         )
         prefetcher = None
-        if cell.baseline == "OURS":
+        if configuration(cell.baseline).route_ahead:
             rate = self.link_bytes_per_second(cell)
             width = CostAwareWidth(rate) if opts.verify_width == "cost_aware" and rate else None
             prefetcher = RouteAheadPrefetcher(
@@ -392,7 +391,7 @@ class ReferenceEngine(Engine):
                 expert_nbytes=self.store.expert_nbytes,
             )
         elif opts.prefetcher == "activation_aware":
-            # B3: observe-only, so its prediction quality is on the same scale as the offloaded baselines'.
+            # Resident (B3): observe-only, so its prediction quality is on the same scale as the offloaded ones'.
             prefetcher = ActivationAwarePrefetcher(
                 self.store.layer_ids, self.store.num_experts, self.top_k, issue=cell.offloaded
             )

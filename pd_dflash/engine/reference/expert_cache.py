@@ -25,6 +25,7 @@ import torch
 
 from pd_dflash.engine.reference.cache_plan import RoundPlan
 from pd_dflash.engine.reference.expert_store import HostExpertStore
+from pd_dflash.engine.reference.link import Link
 from pd_dflash.engine.reference.spans import SpanUnion
 
 Key = tuple[int, int]  # (layer, expert)
@@ -85,8 +86,8 @@ class ExpertCache:
     device: torch.device
     compute_dtype: torch.dtype
     policy: str = "plan"
-    #: A link (HostLink / CudaLink); None = resident: every expert is loaded up front, nothing moves.
-    link: object | None = None
+    #: The host→device link (``link.Link``); None = resident: every expert is loaded up front, nothing moves.
+    link: Link | None = None
     counters: CacheCounters = field(default_factory=CacheCounters)
 
     def __post_init__(self) -> None:

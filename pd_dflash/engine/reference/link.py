@@ -20,24 +20,8 @@ here emulates the same):
   are placed on it through a reference event recorded at each compute synchronization (the compute stream is
   idle then), so transfer spans, stalls and the rounds' compute windows are compared on one clock.
 
-**The interface** (both links; ``ExpertCache`` is the only caller besides the runtime's ``synchronize``):
-
-- ``submit(dst, src, nbytes, demand, after=slot) -> Transfer``: copy ``src`` into ``dst`` (slot ``after``).
-- ``promote(t)``: as above. ``wait(t)`` promotes a queued ``t`` itself.
-- ``done(t) -> bool``: ``t`` has landed. Remembered on the transfer after the first True (no repeated event
-  queries, e.g. by LFU's scan). A transfer still in the host queue is not done.
-- ``wait(t) -> float``: compute needs ``t``. CPU: blocks until it lands and returns the seconds waited. CUDA:
-  the compute stream waits for it (the host does not) and 0.0 is returned; the stall is measured on the GPU and
-  returned later by ``harvest_exposed``.
-- ``host_wait(t) -> float``: the host blocks until ``t`` has landed (a slot it must reuse); returns seconds.
-- ``synchronize(event=None)``: the host blocks until compute has finished (or ``event``), never the whole
-  device; prefetches keep flowing from the host queue meanwhile; takes a new time reference.
-- ``span(t) -> (start, end)`` and ``seconds(t)``: a landed transfer's link interval on the host clock.
-- ``record_use(slot)``: compute reading ``slot`` has been enqueued.
-- ``harvest_exposed(spans=None) -> float``: compute stalls measured since the last call and complete now
-  (seconds; their intervals are appended to ``spans``). The CPU link returns 0.0 (``wait`` returned them).
-- ``pending() -> dict``: transfers queued on the host, on the prefetch stream, on the demand stream.
-- ``close()``: wait for the link's own streams and drop the queue.
+**The interface** is the ``Link`` protocol below (both links implement it; ``ExpertCache`` is the only caller
+besides the runtime's ``synchronize``).
 
 Without emulation (``HostLink(None)``, kind "host") a transfer is a host memcpy done at submit, no policy.
 """
@@ -48,6 +32,7 @@ import itertools
 import math
 import time
 from collections import deque
+from typing import Protocol
 
 import torch
 
@@ -100,6 +85,70 @@ class Transfer:
         self.work = 0.0  # emulated: link seconds still to serve
         self.gate: Transfer | None = None  # emulated: the demand transfer this prefetch waits for
         self.start_event = self.end_event = self.ref = None  # CUDA
+
+
+class Link(Protocol):
+    """What the expert cache asks of a host→device link (``HostLink`` here, ``CudaLink`` in cuda_link.py)."""
+
+    #: "real" (CUDA), "emulated" (CPU pacing), "host" (an un-emulated CPU host-to-host copy).
+    kind: str
+
+    def describe(self) -> dict: ...
+
+    def submit(self, dst: list[torch.Tensor], src: list[torch.Tensor], nbytes: int, demand: bool, after=None):
+        """Copy ``src`` into ``dst`` (the tensors of slot ``after``); returns the ``Transfer``. A demand transfer
+        goes on the demand stream at once, a prefetch into the host queue (the policy above)."""
+        ...
+
+    def promote(self, t: Transfer) -> None:
+        """Compute now needs a prefetch: still in the host queue, it is re-issued on the demand stream (behind
+        earlier demand transfers, ahead of every prefetch); already on the prefetch stream, it keeps its place."""
+        ...
+
+    def done(self, t: Transfer) -> bool:
+        """``t`` has landed. Remembered on the transfer after the first True (no repeated event queries, e.g. by
+        LFU's scan). A transfer still in the host queue is not done."""
+        ...
+
+    def wait(self, t: Transfer) -> float:
+        """Compute needs ``t`` (a queued ``t`` is promoted first). CPU: blocks until it lands and returns the
+        seconds waited. CUDA: the compute stream waits for it (the host does not) and 0.0 is returned; the stall
+        is measured on the GPU and returned later by ``harvest_exposed``."""
+        ...
+
+    def host_wait(self, t: Transfer) -> float:
+        """The host blocks until ``t`` has landed (a slot it must reuse); returns the seconds."""
+        ...
+
+    def synchronize(self, event=None) -> None:
+        """The host blocks until compute has finished (or ``event``), never the whole device; prefetches keep
+        flowing from the host queue meanwhile; takes a new time reference."""
+        ...
+
+    def span(self, t: Transfer) -> tuple[float, float]:
+        """A landed transfer's link interval on the host clock."""
+        ...
+
+    def seconds(self, t: Transfer) -> float:
+        """A landed transfer's link seconds."""
+        ...
+
+    def record_use(self, slot: int) -> None:
+        """Compute reading ``slot`` has been enqueued: a later copy into it must wait for it."""
+        ...
+
+    def harvest_exposed(self, spans: list | None = None) -> float:
+        """Compute stalls measured since the last call and complete now (seconds; their intervals are appended to
+        ``spans``). The CPU link returns 0.0 (``wait`` returned them)."""
+        ...
+
+    def pending(self) -> dict[str, int]:
+        """Transfers queued on the host, on the prefetch stream, on the demand stream."""
+        ...
+
+    def close(self) -> None:
+        """Wait for the link's own streams and drop the queue."""
+        ...
 
 
 def _copy(t: Transfer) -> None:

@@ -123,12 +123,7 @@ class OffloadRuntime:
     # -- decode-loop hooks -------------------------------------------------------------------------------------
     def plan(self, blocks) -> bool:
         """New blocks before scheduling: a route-ahead prefetcher runs its router pass (True when it did)."""
-        plan = getattr(self.prefetcher, "plan", None)
-        if plan is None:
-            return False
-        plan(blocks, self.cache)
-        self.prefetcher.after_plan(self.cache, blocks)
-        return True
+        return self.prefetcher is not None and self.prefetcher.route(blocks, self.cache)
 
     def begin_round(self, owners: list[tuple[object, int]]) -> None:
         """Before the target forward: ``owners`` = (request id, rows) in row order."""

@@ -13,6 +13,10 @@ pieces of history, both learned online from what the target really routed during
 
 With no history yet it predicts nothing (an empty prediction, never a guess). ``issue=False`` makes it
 observe-only (B3: experts are resident, but the prediction quality is still measured on the same scale).
+
+Before a verify it knows no layer but the first, so what it expects a request's next verify to fetch (``keys``,
+what the 2-D deficit scheduler prices a configuration like AR2D with) is what that request's rows routed in its
+last verify: the same history route-ahead's predictor adds to its router pass.
 """
 
 from __future__ import annotations
@@ -43,13 +47,21 @@ class ActivationAwarePrefetcher:
         self.predicted: dict[int, frozenset[int]] = {}
         self._owners: list[tuple[object, int]] = []
         self._previous: np.ndarray | None = None
+        #: Per request: the (layer, expert) keys its rows routed in its last verify, and in the current one.
+        self.last_routed: dict[object, set[tuple[int, int]]] = {}
+        self._routing: dict[object, set[tuple[int, int]]] = {}
 
     def describe(self) -> dict:
         return {"prefetcher": self.name, "issues_fetches": self.issue, "lookahead_layers": 1}
 
+    def route(self, blocks, cache) -> bool:
+        """No router pass: an AR prefetcher learns from the verify's own routing."""
+        return False
+
     def begin_round(self, cache, owners: list[tuple[object, int]]) -> None:
         """``owners``: (request id, rows) per request of the round, in row order. Prefetches the first layer."""
         self.predicted, self._owners, self._previous = {}, owners, None
+        self._routing = {rid: set() for rid, _ in owners}
         predicted: set[int] = set()
         for rid, _ in owners:
             counts = self.first_layer_counts.get(rid)
@@ -62,6 +74,10 @@ class ActivationAwarePrefetcher:
         ids = routed.detach().to("cpu").numpy()
         onehot = np.zeros((ids.shape[0], self.num_experts))
         np.put_along_axis(onehot, ids, 1.0, axis=1)
+        row = 0
+        for rid, n in self._owners:
+            self._routing[rid].update((layer, int(e)) for e in np.unique(ids[row : row + n]))
+            row += n
         if layer == self.layer_ids[0]:
             row = 0
             for rid, n in self._owners:
@@ -81,8 +97,25 @@ class ActivationAwarePrefetcher:
             self.coactivation[prev_layer] += self._previous.T @ onehot
         self._previous = onehot
 
+    def layer_done(self, cache, layer: int) -> None:
+        pass  # nothing pinned across a layer
+
+    def end_round(self, cache, kept_spans, finished) -> None:
+        """The verify is over: what each request's rows routed is its history for the next one."""
+        self.last_routed.update(self._routing)
+        self._routing = {}
+
+    def keys(self, rid: object) -> set[tuple[int, int]]:
+        """(layer, expert) keys the request's next verify is expected to need: its last verify's routing."""
+        return self.last_routed.get(rid, set())
+
+    def in_flight(self, rid: object) -> bool:
+        """The verify completes within its scheduling step: no round is ever in flight."""
+        return False
+
     def forget(self, rid: object) -> None:
         self.first_layer_counts.pop(rid, None)
+        self.last_routed.pop(rid, None)
 
     def _issue(self, cache, layer: int, predicted: set[int]) -> None:
         self.predicted[layer] = frozenset(predicted)

@@ -212,6 +212,12 @@ class RouteAheadPrefetcher:
                     rows[j][i].update((layer, int(x)) for x in ids[s + i])
         return rows
 
+    def route(self, blocks: list[Block], cache) -> bool:
+        """The router pass over the new blocks, then their cut and issue (``plan`` + ``after_plan``)."""
+        self.plan(blocks, cache)
+        self.after_plan(cache, blocks)
+        return True
+
     def keys(self, rid: object) -> set[Key]:
         """(layer, expert) keys the request's pending block is predicted to need (route-ahead ∪ history)."""
         return {(layer, e) for layer, es in self._prediction(rid).items() for e in es}

@@ -80,6 +80,9 @@ class AdmitAll:
     def select(self, blocks: list[Block]) -> list[Block]:
         return list(blocks)
 
+    def reset(self) -> None:
+        pass  # nothing carried between steps
+
     def describe(self) -> dict:
         return {"kind": self.name}
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from pd_dflash.baselines import configuration
 from pd_dflash.engine.interface import Refused
 from pd_dflash.engine.reference.dflash.config import TINY_DRAFTER, resolve_drafter
 from pd_dflash.engine.reference.dflash.load import load_dflash_drafter
@@ -60,7 +61,7 @@ def published_decoding(
     """The cell's speculative decoding with this drafter (route-ahead proxy for OURS) and its facts; a block
     above the drafter's trained block size runs, with a warning for the row (``facts["warnings"]``)."""
     drafter, facts = loaded
-    source = DFlashSource(drafter, facts, route_ahead=cell.baseline == "OURS")
+    source = DFlashSource(drafter, facts, route_ahead=configuration(cell.baseline).route_ahead)
     trained = drafter.config.block_size
     if cell.block_size > trained:
         source.facts["warnings"] = [

@@ -19,6 +19,7 @@ import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
+from pd_dflash.baselines import configuration
 from pd_dflash.engine import registry
 from pd_dflash.engine.registry import EngineTraits
 from pd_dflash.spec import Cell, SweepSpec
@@ -27,10 +28,6 @@ LoadKey = tuple[str, str]
 #: Cells with the same estimate (``Estimator.group``): the queues of a key are kept per group, so picking the
 #: longest cell costs one estimate per group, not per pending cell, however many repeats a sweep has.
 GroupKey = tuple
-
-#: Relative cost of one generated token per baseline (AR decodes one token per target forward; speculative
-#: baselines commit several per verify; B3 moves no expert bytes). Only a starting point: measurements rule.
-BASELINE_FACTOR = {"B0": 1.0, "B1": 0.7, "B2": 0.7, "OURS": 0.6, "B3": 0.5}
 
 
 @dataclass
@@ -89,7 +86,7 @@ class Estimator:
         return (*cls._coords(cell), cell.max_new_tokens)
 
     def _base(self, cell: Cell) -> float:
-        return self.requests * cell.max_new_tokens * BASELINE_FACTOR.get(cell.baseline, 1.0)
+        return self.requests * cell.max_new_tokens * configuration(cell.baseline).placement_factor
 
     @property
     def slope(self) -> float:
@@ -151,7 +148,7 @@ class Estimator:
 
 
 @dataclass
-class Scheduler:
+class Placement:
     engine: str
     estimator: Estimator
     #: The engine's traits when the caller has them (the driver gets a custom engine's from preflight).

@@ -7,12 +7,12 @@ import heapq
 import pytest
 
 from pd_dflash.spec import expand
-from pd_dflash.sweep.scheduler import Estimator, Scheduler, Task, load_key
+from pd_dflash.sweep.placement import Estimator, Placement, Task, load_key
 from tests.sweep.helpers import FIXED, make_spec
 
 
 def scheduler_for(spec):
-    sched = Scheduler(spec.engine, Estimator(spec))
+    sched = Placement(spec.engine, Estimator(spec))
     for cell in expand(spec):
         sched.add(Task(cell=cell, attempt=1))
     return sched

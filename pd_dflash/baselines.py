@@ -1,0 +1,148 @@
+"""The configurations a sweep can measure, in one table: what each one decodes with, which prefetcher fetches its
+experts, which scheduler admits its verifies, whether it is offloaded, and how the report and the placement treat
+it. Pure (no torch, no Ray).
+
+Every part of pd-dflash that depends on what a baseline *means* reads this table (the spec's expansion, the
+reference engine's cell setup, the MoE-Infinity adapter's refusals, the sweep's placement estimate, the report's
+ordering, gates and plots, and ``docs/metrics.md``'s table, which a test compares with it). A new configuration
+is one entry here; its upstream description is in ``upstream.py`` when upstream names it.
+
+| field | values |
+|---|---|
+| ``decoding`` | ``autoregressive`` (one token a round) or ``speculative`` (a drafted block of B tokens, one verify) |
+| ``prefetcher`` | ``activation_aware`` (the AR prefetcher, MoE-Infinity-style) or ``route_ahead`` (the target's routers run on the drafted block before the verify) |
+| ``admission`` | ``all`` (every request verifies every step), ``token_deficit`` (tokens only) or ``two_dim_deficit`` (tokens and expert bytes) |
+| ``offloaded`` | experts in host memory behind a bounded device cache (True) or all resident (False: the prefetcher only observes) |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pd_dflash.upstream import BASELINE_DESCRIPTIONS, UPSTREAM_BASELINES
+
+Decoding = Literal["autoregressive", "speculative"]
+Prefetcher = Literal["activation_aware", "route_ahead"]
+Admission = Literal["all", "token_deficit", "two_dim_deficit"]
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One measurable configuration (a "baseline" in upstream's words)."""
+
+    name: str
+    description: str
+    decoding: Decoding
+    prefetcher: Prefetcher
+    admission: Admission
+    offloaded: bool
+    #: Part of Phase A's go/no-go gates (speedup over B0, ordering, coverage, waste); an ablation is measured and
+    #: reported, but no gate reads it.
+    gated: bool
+    #: Relative decode cost per generated token, for the sweep's placement estimate (B0 = 1.0).
+    placement_factor: float
+    #: Matplotlib line style and colour in the report's plots.
+    plot_style: str
+    plot_color: str
+
+    @property
+    def speculative(self) -> bool:
+        return self.decoding == "speculative"
+
+    @property
+    def route_ahead(self) -> bool:
+        """The drafter leaves the route-ahead proxy on each block and the router pass runs before the verify."""
+        return self.prefetcher == "route_ahead"
+
+    @property
+    def block_independent(self) -> bool:
+        """Measured once per (model, c, repeat): nothing in it depends on the block size (AR decoding)."""
+        return not self.speculative
+
+    @property
+    def upstream(self) -> bool:
+        """One of upstream's configurations (its ``evaluate_matrix`` loops over these)."""
+        return self.name in UPSTREAM_BASELINES
+
+
+def _upstream(name: str, **fields) -> Configuration:
+    return Configuration(name=name, description=BASELINE_DESCRIPTIONS[name], **fields)
+
+
+#: The table, in report order.
+CONFIGURATIONS: tuple[Configuration, ...] = (
+    _upstream(
+        "B0",
+        decoding="autoregressive",
+        prefetcher="activation_aware",
+        admission="all",
+        offloaded=True,
+        gated=True,
+        placement_factor=1.0,
+        plot_style="o-",
+        plot_color="tab:blue",
+    ),
+    _upstream(
+        "B1",
+        decoding="speculative",
+        prefetcher="activation_aware",
+        admission="all",
+        offloaded=True,
+        gated=True,
+        placement_factor=0.7,
+        plot_style="s-",
+        plot_color="tab:orange",
+    ),
+    _upstream(
+        "B2",
+        decoding="speculative",
+        prefetcher="activation_aware",
+        admission="token_deficit",
+        offloaded=True,
+        gated=True,
+        placement_factor=0.7,
+        plot_style="^-",
+        plot_color="tab:green",
+    ),
+    _upstream(
+        "B3",
+        decoding="speculative",
+        prefetcher="activation_aware",
+        admission="all",
+        offloaded=False,
+        gated=True,
+        placement_factor=0.5,
+        plot_style="D--",
+        plot_color="tab:red",
+    ),
+    _upstream(
+        "OURS",
+        decoding="speculative",
+        prefetcher="route_ahead",
+        admission="two_dim_deficit",
+        offloaded=True,
+        gated=True,
+        placement_factor=0.6,
+        plot_style="*-",
+        plot_color="tab:purple",
+    ),
+)
+
+BY_NAME: dict[str, Configuration] = {c.name: c for c in CONFIGURATIONS}
+#: Every configuration's name, in report order.
+ORDER: tuple[str, ...] = tuple(BY_NAME)
+Baseline = Literal[ORDER]  # type: ignore[valid-type]  # the spec's and the rows' baseline field
+
+OFFLOADED: frozenset[str] = frozenset(c.name for c in CONFIGURATIONS if c.offloaded)
+SPECULATIVE: frozenset[str] = frozenset(c.name for c in CONFIGURATIONS if c.speculative)
+BLOCK_INDEPENDENT: frozenset[str] = frozenset(c.name for c in CONFIGURATIONS if c.block_independent)
+GATED: tuple[str, ...] = tuple(c.name for c in CONFIGURATIONS if c.gated)
+
+
+def configuration(name: str) -> Configuration:
+    """The configuration called ``name`` (a validated cell's or row's baseline)."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown configuration {name!r}; known: {', '.join(ORDER)}") from None

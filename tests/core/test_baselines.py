@@ -1,0 +1,75 @@
+"""The configuration table (``pd_dflash/baselines.py``): every reader agrees with it, and the docs' copy is its."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pd_dflash.baselines import (
+    BLOCK_INDEPENDENT,
+    BY_NAME,
+    CONFIGURATIONS,
+    GATED,
+    OFFLOADED,
+    ORDER,
+    configuration,
+)
+from pd_dflash.spec import expand, parse_spec
+from pd_dflash.upstream import BASELINE_DESCRIPTIONS, UPSTREAM_BASELINES
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "reference-engine.md"
+
+
+def doc_row(c) -> str:
+    prefetcher = c.prefetcher + ("" if c.offloaded else " (observe-only)")
+    experts = "offloaded" if c.offloaded else "resident"
+    gates = "yes" if c.gated else "no (ablation)"
+    return f"| **{c.name}** | {c.decoding} | {prefetcher} | {c.admission} | {experts} | {gates} |"
+
+
+def test_the_docs_table_is_the_code_table():
+    lines = DOC.read_text().splitlines()
+    start = lines.index("| configuration | decoding | prefetcher | admission | experts | Phase-A gates |")
+    documented = lines[start + 2 : start + 2 + len(CONFIGURATIONS) + 1]
+    assert documented[: len(CONFIGURATIONS)] == [doc_row(c) for c in CONFIGURATIONS]
+    assert not documented[len(CONFIGURATIONS)].startswith("|"), (
+        "the docs list a configuration the code has not"
+    )
+
+
+def test_upstream_configurations_keep_upstream_words_and_meaning():
+    assert ORDER[: len(UPSTREAM_BASELINES)] == UPSTREAM_BASELINES
+    for name in (*UPSTREAM_BASELINES, "OURS"):
+        assert BY_NAME[name].description == BASELINE_DESCRIPTIONS[name]
+        assert BY_NAME[name].gated
+    assert {"B0"} == BLOCK_INDEPENDENT
+    assert {c.name for c in CONFIGURATIONS} - {"B3"} == OFFLOADED
+    assert configuration("OURS").route_ahead and configuration("OURS").admission == "two_dim_deficit"
+    assert configuration("B2").admission == "token_deficit" and not configuration("B2").route_ahead
+    assert set(GATED) >= {"B0", "B1", "B2", "B3", "OURS"}
+
+
+def test_an_unknown_configuration_is_named():
+    with pytest.raises(KeyError, match="unknown configuration 'B9'"):
+        configuration("B9")
+
+
+@pytest.mark.parametrize("name", ORDER)
+def test_every_configuration_expands_as_its_entry_says(name):
+    spec = parse_spec(
+        {
+            "name": "t",
+            "engine": "reference",
+            "models": [{"id": "micro", "preset": "micro"}],
+            "baselines": [name],
+            "block_sizes": [8, 16],
+            "concurrency": [1],
+            "repeats": 1,
+            "memory": {"expert_cache_fraction": 0.5},
+        }
+    )
+    cells = expand(spec)
+    c = configuration(name)
+    assert len(cells) == (1 if c.block_independent else 2)
+    assert all(cell.offloaded == c.offloaded and cell.speculative == c.speculative for cell in cells)
