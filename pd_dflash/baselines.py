@@ -127,6 +127,30 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
         plot_style="*-",
         plot_color="tab:purple",
     ),
+    Configuration(
+        "RA",
+        "DFlash with route-ahead prefetch and no deficit scheduler (ablation: OURS without the 2-D scheduler)",
+        decoding="speculative",
+        prefetcher="route_ahead",
+        admission="all",
+        offloaded=True,
+        gated=False,
+        placement_factor=0.6,
+        plot_style="P:",
+        plot_color="tab:pink",
+    ),
+    Configuration(
+        "AR2D",
+        "DFlash with the unchanged AR prefetcher and the 2-D scheduler (ablation: OURS without route-ahead)",
+        decoding="speculative",
+        prefetcher="activation_aware",
+        admission="two_dim_deficit",
+        offloaded=True,
+        gated=False,
+        placement_factor=0.7,
+        plot_style="X:",
+        plot_color="tab:brown",
+    ),
 )
 
 BY_NAME: dict[str, Configuration] = {c.name: c for c in CONFIGURATIONS}
