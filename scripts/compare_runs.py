@@ -48,12 +48,26 @@ TIMED = [
     r"route_ahead\.(covered|kept|wasted)_.*|route_ahead\.(coverage|waste_ratio)",
     r"engine\.prediction\..*",
     r"expert_occupancy_bytes|kv_occupancy_bytes",
+    # ready when the verify acquired it: on the emulated link's timeline, which follows measured compute time
+    r"prefetched_in_time_coverage",
 ]
 _TIMED = re.compile("|".join(f"(?:{p})" for p in TIMED))
 #: With c > 1 a deficit scheduler (B2, OURS) admits by measured cost, so which requests share a forward, and
 #: everything counted per forward or per round, follows the clock too.
-SCHEDULED = [r"engine\.batch\..*", r"route_ahead\..*", r"acceptance_histogram\..*", r"acceptance_length_a"]
+SCHEDULED = [
+    r"engine\.batch\..*",
+    r"route_ahead\..*",
+    r"acceptance_histogram\..*",
+    r"acceptance_length_a",
+    r"engine\.verify_width\..*",
+    r"engine\.draft_verify_rounds",
+]
 _SCHEDULED = re.compile("|".join(f"(?:{p})" for p in SCHEDULED))
+#: Configurations admitted by a deficit scheduler (their batches follow the clock when c > 1), and those whose
+#: route-ahead verify width is cost-aware: it cuts blocks by the measured seconds per token, so which rows are
+#: verified (acceptance, route-ahead counts, batch facts) follows the clock at every c.
+DEFICIT = ("B2", "OURS", "AR2D")
+COST_AWARE_WIDTH = ("OURS", "RA")
 
 
 def flatten(obj, prefix=""):
@@ -81,7 +95,12 @@ def load(path: Path) -> dict[tuple, dict]:
 
 def shape(flat: dict) -> set[str]:
     # series and per-layer tables vary in length with timing; compare their parents only
-    return {re.sub(r"\[\d+\]", "[]", k) for k in flat if not re.search(r"_series", k)}
+    # histogram keys are the values seen (their set follows the clock where the values do)
+    return {
+        re.sub(r"_histogram\.\d+$", "_histogram.*", re.sub(r"\[\d+\]", "[]", k))
+        for k in flat
+        if not re.search(r"_series", k)
+    }
 
 
 def main(argv=None) -> int:
@@ -103,7 +122,7 @@ def main(argv=None) -> int:
         if sa != sb:
             problems.append(f"{key}: fields only before {sorted(sa - sb)}, only after {sorted(sb - sa)}")
         for path in sorted(set(fa) & set(fb)):
-            scheduled = key[1] in ("B2", "OURS") and key[3] > 1
+            scheduled = (key[1] in DEFICIT and key[3] > 1) or key[1] in COST_AWARE_WIDTH
             if path == "cell_id" or _TIMED.fullmatch(path) or (scheduled and _SCHEDULED.fullmatch(path)):
                 if args.show_timed and fa[path] != fb[path]:
                     print(f"timed {key} {path}: {fa[path]!r} -> {fb[path]!r}")
