@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pd_dflash.ablation import ablation_settings, group_model, identity_of
 from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.safe_load import decode_utf8, load_yaml
+from pd_dflash.spec_inputs import ChatDate, EnvName, check_no_nul, how_many
 from pd_dflash.upstream import (
     BLOCK_INDEPENDENT_BASELINES,
     OFFLOAD_RATIO_LIMIT,
@@ -106,6 +107,8 @@ class Workload(_Input):
     #: 0 is greedy (lossless against AR, upstream's setting); > 0 uses speculative sampling.
     temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     seed: int = 1408
+    #: The date chat templates render (``strftime_now``): unset, ``spec_inputs.DEFAULT_CHAT_DATE`` — never the clock.
+    chat_date: ChatDate | None = None
 
     @field_validator("prompts")
     @classmethod
@@ -228,7 +231,7 @@ class SweepSpec(_Input):
     memory: Memory = Field(default_factory=Memory)
     slo: SLO = Field(default_factory=SLO)
     hardware: Hardware = Field(default_factory=Hardware)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[EnvName, str] = Field(default_factory=dict)
     gates: Gates = Field(default_factory=Gates)
     local: Local = Field(default_factory=Local)
     #: Most cells the spec may expand to (checked before anything is expanded); raise it on purpose.
@@ -267,7 +270,7 @@ class SweepSpec(_Input):
         n = cell_count(self)
         if n > self.max_cells:
             raise ValueError(
-                f"the spec expands to {_how_many(n)} cells, more than max_cells = {self.max_cells}; "
+                f"the spec expands to {how_many(n)} cells, more than max_cells = {self.max_cells}; "
                 "shrink an axis (repeats, concurrency, block_sizes, baselines, models) or raise max_cells"
             )
         return self
@@ -281,7 +284,10 @@ class SweepSpec(_Input):
 
     def fingerprint(self) -> str:
         """Hash of everything that changes measurements (not the name, the gates, local-mode sizing or the cap)."""
-        body = self.model_dump(mode="json", exclude={"name", "gates", "local", "max_cells"})
+        unset = {"workload": {"chat_date"}} if self.workload.chat_date is None else {}  # ids from before it
+        body = self.model_dump(
+            mode="json", exclude={"name": True, "gates": True, "local": True, "max_cells": True, **unset}
+        )
         return _digest(body)[:16]
 
 
@@ -337,7 +343,7 @@ def _id_suffix(spec: SweepSpec, model: ModelSpec) -> str:
     measured = {
         "engine": spec.engine,
         "model": model.model_dump(mode="json"),
-        "workload": spec.workload.model_dump(mode="json", exclude={"max_new_tokens"}),
+        "workload": spec.workload.model_dump(mode="json", exclude={"max_new_tokens"}, exclude_none=True),
         "expert_cache_fraction": spec.memory.expert_cache_fraction,
         "slo": spec.slo.model_dump(mode="json"),
         "hardware": spec.hardware.model_dump(mode="json", exclude={"cpus_per_runner", "custom_resource"}),
@@ -358,13 +364,6 @@ def _cells_per_model(spec: SweepSpec) -> int:
 def cell_count(spec: SweepSpec) -> int:
     """How many cells :func:`iter_cells` yields, by arithmetic (nothing is expanded)."""
     return sum(len(ablation_settings(spec, m)) for m in spec.models) * _cells_per_model(spec)
-
-
-def _how_many(n: int) -> str:
-    """A count for a message: exact when short, else its order of magnitude (never thousands of digits)."""
-    if n < 10**15:
-        return f"{n:,}"
-    return f"about 10^{int(n.bit_length() * 0.30103)}"
 
 
 def iter_cells(spec: SweepSpec) -> Iterator[Cell]:
@@ -421,6 +420,7 @@ def expand(spec: SweepSpec) -> list[Cell]:
 def parse_spec(data: Any, *, source: str = "<spec>") -> SweepSpec:
     if not isinstance(data, dict):
         raise InputError(f"a sweep spec must be a mapping, got {type(data).__name__}", where=source)
+    check_no_nul(data, source)
     try:
         return SweepSpec.model_validate(data)
     except ValidationError as exc:

@@ -131,12 +131,24 @@ def check_spec(spec: Any) -> list[str]:
 
     env = {**os.environ, **spec.env}
     text_prompts = prompt_kind(spec.workload.prompts) != "synthetic"
+    _check_prompt_content(spec.workload.prompts)
     notes = []
     for i, m in enumerate(spec.models):
         if m.preset is not None or _is_preset_name(m.id):
             continue
         found = resolve(m.id, m.path, env=env)
         if found.source == "tiny-real":
+            continue
+        if found.problem == "is not a directory":
+            raise InputError(
+                f"{m.path} is not a directory: a checkpoint is a directory with config.json and safetensors",
+                where=f"models.{i}.path",
+            )
+        if found.problem is not None:
+            notes.append(
+                f"{m.id}: models.{i}.path {m.path} {found.problem} here; the runners look for it on their boxes "
+                "(a box without it refuses the model's cells)"
+            )
             continue
         if found.directory is None:
             notes.append(
@@ -158,6 +170,17 @@ def check_spec(spec: Any) -> list[str]:
         if note:
             notes.append(f"{m.id}: {note}")
     return notes
+
+
+def _check_prompt_content(source: str) -> None:
+    """A prompt file that is here is read as the runners will read it (bad lines named at plan time); one that
+    is not here is ``spec_inputs.check_here``'s to refuse (plan, run), not this check's (report --spec too)."""
+    from pd_dflash.engine.reference.prompts import load_prompt_texts
+    from pd_dflash.spec_inputs import prompt_file
+
+    path = prompt_file(source)
+    if path is not None and path.is_file():
+        load_prompt_texts(source)
 
 
 def _is_preset_name(name: str) -> bool:
