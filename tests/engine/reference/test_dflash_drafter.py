@@ -127,7 +127,7 @@ def test_check_drafter_before_the_sweep(tmp_path):
     with pytest.raises(InputError, match="not found here"):
         check_drafter("z-lab/gpt-oss-20b-DFlash", TARGET, target_where="t", env=env, require_present=True)
     (good / "config.json").write_text("{not json")
-    with pytest.raises(InputError, match="unreadable"):
+    with pytest.raises(InputError, match="invalid JSON"):
         check_drafter(str(good), TARGET, target_where="t")
 
 
