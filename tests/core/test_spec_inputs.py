@@ -101,3 +101,19 @@ def test_an_unset_chat_date_keeps_the_cell_ids_and_a_set_one_changes_them():
 def test_a_chat_date_must_be_a_real_iso_date(tmp_path, capsys, date):
     code, err = plan(tmp_path, capsys, spec_data(workload={"chat_date": date}))
     assert code == 2 and "workload.chat_date" in err and "YYYY-MM-DD" in err, err
+
+
+def test_plan_notes_a_model_path_that_is_not_here_and_refuses_one_that_is_a_file(tmp_path, capsys):
+    absent = tmp_path / "weights" / "qwen"
+    model = {"id": "org/qwen", "path": str(absent), "engine_options": {"drafter": "early_exit"}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec_data(models=[model])))
+    capsys.readouterr()
+    assert main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"models.0.path {absent} does not exist here" in out
+    (tmp_path / "weights").mkdir()
+    absent.write_text("not a checkpoint")
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "models.0.path" in err and f"{absent} is not a directory" in err
