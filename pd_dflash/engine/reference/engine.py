@@ -422,7 +422,7 @@ class ReferenceEngine(Engine):
             if wl.temperature > 0:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(wl.seed * 1_000_003 + 7919 * stream + i)
-            out.append(Request(f"{tag}{i}", prompt, max_new, self.loaded.eos_token_id, gen))
+            out.append(Request(f"{tag}{i}", prompt, max_new, self.loaded.eos_token_ids, gen))
         return out
 
     def _serve(self, cell: Cell, requests: list[Request], setup: _CellSetup) -> list[RoundRecord]:

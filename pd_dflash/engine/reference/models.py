@@ -48,13 +48,14 @@ class LoadedModel:
     chat: bool = False
 
     @property
-    def eos_token_id(self) -> int | None:
-        eos = (
-            getattr(self.model.generation_config, "eos_token_id", None)
-            if self.source == "checkpoint"
-            else None
-        )
-        return eos[0] if isinstance(eos, list) and eos else eos
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id of a checkpoint's ``generation_config.eos_token_id`` (an id or a list: Qwen3 lists 151645
+        and 151643); each of them stops a request. A preset has none (its requests run to max_new_tokens)."""
+        config = getattr(self.model, "generation_config", None) if self.source == "checkpoint" else None
+        eos = getattr(config, "eos_token_id", None)
+        if eos is None:
+            return frozenset()
+        return frozenset(int(t) for t in ([eos] if isinstance(eos, int) else eos))
 
 
 def load_model(
