@@ -16,6 +16,7 @@ from pd_dflash.engine.reference.dflash.tiny import tiny_drafter_config, write_ti
 from pd_dflash.engine.reference.models import make_prompts
 from pd_dflash.schema import EngineResult, Row, Status
 from pd_dflash.spec import expand
+from pd_dflash.spec_inputs import DEFAULT_CHAT_DATE
 from tests.engine.reference.conftest import tiny_model
 from tests.engine.reference.test_engine import make_engine, make_spec
 from tests.engine.reference.test_prompts import CHAT_TEMPLATE, make_tokenizer
@@ -214,4 +215,5 @@ def test_humaneval_prompts_on_a_checkpoint(tmp_path):
     _, rows = run(spec)
     facts = rows[("B0", 4, 2)].engine["prompts"]
     assert rows[("B0", 4, 2)].status == Status.OK and facts["source"] == "humaneval"
+    assert facts["chat_date"] == DEFAULT_CHAT_DATE  # the fixed date the chat template rendered (issue 22)
     assert facts["prompt_tokens"]["min"] > 20 and facts["output_tokens"]["total"] == 2 * WORKLOAD["requests"]
