@@ -165,6 +165,7 @@ def test_a_block_above_the_trained_block_size_runs_with_a_warning(tmp_path):
     (warning,) = rows[("B1", 8, 2)].warnings
     assert "block size 8 is above the DFlash drafter's trained block size 4" in warning
     assert "dflash_config.block_size" in warning and not rows[("B1", 4, 2)].warnings
+    assert rows[("B1", 8, 2)].engine["drafter"]["trained_block_size"] == 4  # read from its config
 
 
 def test_the_tiny_drafter_name_runs_on_any_checkpoint(tmp_path):

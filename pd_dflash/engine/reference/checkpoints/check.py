@@ -140,7 +140,11 @@ def check_spec(spec: Any) -> list[str]:
             checked = check_checkpoint(found.directory, chat_template_for=m.id if text_prompts else None)
             note = (
                 check_drafter(
-                    m.draft, checked.config, target_where=str(found.directory / "config.json"), env=env
+                    m.draft,
+                    checked.config,
+                    target_where=str(found.directory / "config.json"),
+                    env=env,
+                    block_sizes=spec.block_sizes,
                 )
                 if m.draft
                 else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -246,12 +246,14 @@ def check_drafter(
     target_where: str,
     env: Mapping[str, str] | None = None,
     require_present: bool = False,
+    block_sizes: Sequence[int] = (),
 ) -> str | None:
     """Check ``models[].draft`` against its target's ``config.json`` (already read) before anything loads.
 
     Incompatible or malformed: an InputError naming both files and the fields. Not on this machine: a note
-    (``plan`` on a head box without the weights), or an InputError when ``require_present``. The tiny drafter
-    name is generated for the target, so it always fits.
+    (``plan`` on a head box without the weights), or an InputError when ``require_present``. A block size of
+    ``block_sizes`` above the drafter's trained one: a note (those cells run, each row with a warning). The tiny
+    drafter name is generated for the target, so it always fits.
     """
     if not draft or draft == TINY_DRAFTER:
         return None
@@ -269,5 +271,11 @@ def check_drafter(
     if problems:
         raise InputError(
             f"drafter {draft!r} does not fit its target: " + "; ".join(problems), where="models[].draft"
+        )
+    above = sorted(b for b in block_sizes if b > config.block_size)
+    if above:
+        return (
+            f"DFlash drafter {draft!r} is trained for block size {config.block_size} ({where}: "
+            f"dflash_config.block_size); its cells at B = {', '.join(map(str, above))} run with a row warning"
         )
     return None
