@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pd_dflash.ablation import ablation_settings, group_model, identity_of
 from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.safe_load import decode_utf8, load_yaml
-from pd_dflash.spec_inputs import ChatDate, EnvName, check_no_nul, how_many
+from pd_dflash.spec_inputs import ChatDate, EnvName, RayQuantity, RayResource, check_no_nul, how_many
 from pd_dflash.upstream import (
     BLOCK_INDEPENDENT_BASELINES,
     OFFLOAD_RATIO_LIMIT,
@@ -164,12 +164,12 @@ class Hardware(_Input):
     #: Ray accelerator type the runners request (Ray >= 2.57 names RTX PRO 6000 Blackwell "RTX-PRO-6000").
     accelerator_type: Annotated[str, Field(min_length=1)] | None = "RTX-PRO-6000"
     #: Optional custom resource each runner requests one unit of (e.g. ``rtx_pro_6000`` from ``ray start``).
-    custom_resource: str | None = None
+    custom_resource: RayResource | None = None
     #: Substring the NVML device name must contain; default derived from the accelerator type.
     gpu_name: str | None = None
     compute_capability: tuple[int, int] | None = (12, 0)
     gpus_per_cell: Annotated[int, Field(ge=1)] = 1
-    cpus_per_runner: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
+    cpus_per_runner: RayQuantity = 1.0
     #: Where the engine runs: "auto" = CUDA when available, else CPU.
     device: Literal["auto", "cuda", "cpu"] = "auto"
 
@@ -212,8 +212,8 @@ class Gates(_Input):
 class Local(_Input):
     """Settings for local mode (a single-node Ray cluster started by `pd-dflash run` without an address)."""
 
-    fake_gpus: Annotated[int, Field(ge=1)] = 2
-    num_cpus: Annotated[int, Field(ge=1)] | None = None
+    fake_gpus: Annotated[int, Field(ge=1, le=1024)] = 2
+    num_cpus: Annotated[int, Field(ge=1, le=65536)] | None = None
     object_store_mb: Annotated[int, Field(ge=75)] = 128
 
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, Field
 
 from pd_dflash.errors import InputError, excerpt
 
@@ -47,8 +47,33 @@ def _iso_date(value: str) -> str:
     return value
 
 
+#: Ray's resource granularity (``MIN_RESOURCE_GRANULARITY``): a smaller fraction is its ValueError.
+RAY_GRANULARITY = 0.0001
+#: Resource names Ray keeps for itself (its own keywords, or prefixes it adds to every node).
+RAY_RESERVED = ("CPU", "GPU", "memory", "object_store_memory")
+RAY_RESERVED_PREFIXES = ("node:", "accelerator_type:")
+
+
+def _ray_quantity(value: float) -> float:
+    if 0 < value < RAY_GRANULARITY:
+        raise ValueError(f"Ray cannot request less than {RAY_GRANULARITY} of a resource (use 0 or more)")
+    return value
+
+
+def _ray_resource(name: str) -> str:
+    if name in RAY_RESERVED or name.startswith(RAY_RESERVED_PREFIXES):
+        raise ValueError(
+            f"{excerpt(name)} is a name Ray keeps for itself ({', '.join(RAY_RESERVED)}, "
+            f"{', '.join(p + '*' for p in RAY_RESERVED_PREFIXES)}): name the resource you gave `ray start`"
+        )
+    return name
+
+
 EnvName = Annotated[str, AfterValidator(_env_name)]
 ChatDate = Annotated[str, AfterValidator(_iso_date)]
+#: A resource quantity Ray accepts (0, or at least its granularity; at most 65,536 per runner).
+RayQuantity = Annotated[float, Field(ge=0.0, le=65536.0, allow_inf_nan=False), AfterValidator(_ray_quantity)]
+RayResource = Annotated[str, Field(min_length=1), AfterValidator(_ray_resource)]
 
 
 def check_no_nul(data: Any, source: str, path: tuple[str, ...] = ()) -> None:

@@ -117,3 +117,29 @@ def test_plan_notes_a_model_path_that_is_not_here_and_refuses_one_that_is_a_file
     assert main(["plan", str(path)]) == 2
     err = capsys.readouterr().err
     assert "models.0.path" in err and f"{absent} is not a directory" in err
+
+
+@pytest.mark.parametrize(
+    ("over", "named"),
+    [
+        ({"hardware": {"cpus_per_runner": 0.00005}}, "hardware.cpus_per_runner"),
+        ({"hardware": {"cpus_per_runner": 1e9}}, "hardware.cpus_per_runner"),
+        ({"hardware": {"custom_resource": "GPU"}}, "hardware.custom_resource"),
+        ({"hardware": {"custom_resource": "memory"}}, "hardware.custom_resource"),
+        ({"hardware": {"custom_resource": "node:10.0.0.1"}}, "hardware.custom_resource"),
+        ({"hardware": {"custom_resource": "accelerator_type:H100"}}, "hardware.custom_resource"),
+        ({"local": {"fake_gpus": 10**6}}, "local.fake_gpus"),
+        ({"local": {"num_cpus": 10**9}}, "local.num_cpus"),
+    ],
+)
+def test_resource_figures_ray_would_refuse_are_spec_errors(tmp_path, capsys, over, named):
+    code, err = plan(tmp_path, capsys, spec_data(**over))
+    assert code == 2 and named in err and "Traceback" not in err, err
+
+
+def test_resource_figures_ray_accepts_still_plan(tmp_path, capsys):
+    for over in (
+        {"hardware": {"cpus_per_runner": 0}},
+        {"hardware": {"cpus_per_runner": 0.5, "custom_resource": "rtx"}},
+    ):
+        assert plan(tmp_path, capsys, spec_data(**over))[0] == 0

@@ -288,8 +288,7 @@ class ReferenceEngine(Engine):
         engine["decoding"] = "speculative" if setup.decoding.speculative else "autoregressive"
         engine["drafter"] = setup.drafter_facts
         engine["scheduler"] = setup.scheduler.describe()
-        wl = self.ctx.workload
-        engine["prompts"] = prompt_facts(wl.prompts, self.loaded.chat, setup.timed, wl.chat_date)
+        engine["prompts"] = prompt_facts(self.ctx.workload, self.loaded.chat, setup.timed)
         timings = {"setup": setup.setup_seconds, "warmup": warm_seconds, "timed": timed_seconds}
         # Only in the cell that trained the drafter, waited on another runner's training, or loaded it.
         if setup.drafter_load_seconds is not None:
@@ -413,12 +412,7 @@ class ReferenceEngine(Engine):
             return []
         try:
             prompts = make_prompts(
-                self.loaded,
-                wl.prompts,
-                n,
-                wl.prompt_tokens,
-                seed=wl.seed + 1_000_003 * stream,
-                chat_date=wl.chat_date,
+                self.loaded, wl.prompts, n, wl.prompt_tokens, wl.seed + 1_000_003 * stream, wl.chat_date
             )
         except InputError as exc:  # e.g. an instruct target's tokenizer without a chat template
             raise Refused(Status.REFUSED, str(exc)) from None

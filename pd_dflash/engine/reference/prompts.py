@@ -186,13 +186,13 @@ def select(prompts: Sequence[list[int]], n: int, seed: int) -> list[list[int]]:
     return [list(prompts[order[i % len(prompts)]]) for i in range(n)]
 
 
-def prompt_facts(source: str, chat: bool, requests: Sequence[Any], date: str | None = None) -> dict[str, Any]:
-    """The row's ``engine.prompts``: where the timed requests' prompts came from, the date a chat template
-    rendered (:func:`chat_date`; the same on every box of a sweep) and their token counts."""
+def prompt_facts(workload: Any, chat: bool, requests: Sequence[Any]) -> dict[str, Any]:
+    """The row's ``engine.prompts`` for the spec's ``workload``: where the timed requests' prompts came from,
+    the date a chat template rendered (:func:`chat_date`; the same on every box of a sweep), token counts."""
     return {
-        "source": source,
+        "source": workload.prompts,
         "chat_template": chat,
-        **({"chat_date": chat_date(date)} if chat else {}),
+        **({"chat_date": chat_date(workload.chat_date)} if chat else {}),
         "requests": len(requests),
         "prompt_tokens": token_counts([len(r.prompt) for r in requests]),
         "output_tokens": token_counts([len(r.output) for r in requests]),

@@ -12,6 +12,7 @@ import pytest
 from pd_dflash.engine.reference.checkpoints.tiny import materialise
 from pd_dflash.engine.reference.prompts import encode_prompts, fixed_date_template, prompt_facts
 from pd_dflash.errors import InputError
+from pd_dflash.spec import Workload
 from pd_dflash.spec_inputs import DEFAULT_CHAT_DATE
 
 #: The shape of openai/gpt-oss-20b's harmony template around the date (system message, then the chat).
@@ -60,6 +61,7 @@ def test_fixed_date_template_replaces_every_literal_call_and_refuses_others():
 
 
 def test_the_row_records_the_date_a_chat_template_rendered():
-    assert prompt_facts("humaneval", True, [], "2026-01-31")["chat_date"] == "2026-01-31"
-    assert prompt_facts("humaneval", True, [])["chat_date"] == DEFAULT_CHAT_DATE
-    assert "chat_date" not in prompt_facts("synthetic", False, [])
+    dated = Workload(prompts="humaneval", chat_date="2026-01-31")
+    assert prompt_facts(dated, True, [])["chat_date"] == "2026-01-31"
+    assert prompt_facts(Workload(prompts="humaneval"), True, [])["chat_date"] == DEFAULT_CHAT_DATE
+    assert "chat_date" not in prompt_facts(Workload(), False, [])
