@@ -21,7 +21,7 @@ def _plan(args: argparse.Namespace) -> int:
     from pd_dflash.engine import registry
     from pd_dflash.plan import plan_summary, render_plan, write_plan_json
 
-    spec = registry.load_checked_spec(args.spec)
+    spec = registry.load_spec_here(args.spec)
     blocked = registry.plan_blocked_reason(spec.engine)
     notes = registry.plan_notes(spec)
     if args.json:

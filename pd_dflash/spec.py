@@ -23,6 +23,7 @@ from pd_dflash.ablation import ablation_settings, group_model, identity_of
 from pd_dflash.baselines import BLOCK_INDEPENDENT, OFFLOADED, SPECULATIVE, Baseline, configuration
 from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.safe_load import decode_utf8, load_yaml
+from pd_dflash.spec_inputs import ChatDate, EnvName, RayQuantity, RayResource, check_no_nul, how_many
 from pd_dflash.upstream import OFFLOAD_RATIO_LIMIT, REQUIRED_METRICS
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -100,6 +101,8 @@ class Workload(_Input):
     #: 0 is greedy (lossless against AR, upstream's setting); > 0 uses speculative sampling.
     temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     seed: int = 1408
+    #: The date chat templates render (``strftime_now``): unset, ``spec_inputs.DEFAULT_CHAT_DATE`` — never the clock.
+    chat_date: ChatDate | None = None
 
     @field_validator("prompts")
     @classmethod
@@ -155,12 +158,12 @@ class Hardware(_Input):
     #: Ray accelerator type the runners request (Ray >= 2.57 names RTX PRO 6000 Blackwell "RTX-PRO-6000").
     accelerator_type: Annotated[str, Field(min_length=1)] | None = "RTX-PRO-6000"
     #: Optional custom resource each runner requests one unit of (e.g. ``rtx_pro_6000`` from ``ray start``).
-    custom_resource: str | None = None
+    custom_resource: RayResource | None = None
     #: Substring the NVML device name must contain; default derived from the accelerator type.
     gpu_name: str | None = None
     compute_capability: tuple[int, int] | None = (12, 0)
     gpus_per_cell: Annotated[int, Field(ge=1)] = 1
-    cpus_per_runner: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
+    cpus_per_runner: RayQuantity = 1.0
     #: Where the engine runs: "auto" = CUDA when available, else CPU.
     device: Literal["auto", "cuda", "cpu"] = "auto"
 
@@ -203,8 +206,8 @@ class Gates(_Input):
 class Local(_Input):
     """Settings for local mode (a single-node Ray cluster started by `pd-dflash run` without an address)."""
 
-    fake_gpus: Annotated[int, Field(ge=1)] = 2
-    num_cpus: Annotated[int, Field(ge=1)] | None = None
+    fake_gpus: Annotated[int, Field(ge=1, le=1024)] = 2
+    num_cpus: Annotated[int, Field(ge=1, le=65536)] | None = None
     object_store_mb: Annotated[int, Field(ge=75)] = 128
 
 
@@ -222,7 +225,7 @@ class SweepSpec(_Input):
     memory: Memory = Field(default_factory=Memory)
     slo: SLO = Field(default_factory=SLO)
     hardware: Hardware = Field(default_factory=Hardware)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[EnvName, str] = Field(default_factory=dict)
     gates: Gates = Field(default_factory=Gates)
     local: Local = Field(default_factory=Local)
     #: Most cells the spec may expand to (checked before anything is expanded); raise it on purpose.
@@ -261,7 +264,7 @@ class SweepSpec(_Input):
         n = cell_count(self)
         if n > self.max_cells:
             raise ValueError(
-                f"the spec expands to {_how_many(n)} cells, more than max_cells = {self.max_cells}; "
+                f"the spec expands to {how_many(n)} cells, more than max_cells = {self.max_cells}; "
                 "shrink an axis (repeats, concurrency, block_sizes, baselines, models) or raise max_cells"
             )
         return self
@@ -275,7 +278,10 @@ class SweepSpec(_Input):
 
     def fingerprint(self) -> str:
         """Hash of everything that changes measurements (not the name, the gates, local-mode sizing or the cap)."""
-        body = self.model_dump(mode="json", exclude={"name", "gates", "local", "max_cells"})
+        unset = {"workload": {"chat_date"}} if self.workload.chat_date is None else {}  # ids from before it
+        body = self.model_dump(
+            mode="json", exclude={"name": True, "gates": True, "local": True, "max_cells": True, **unset}
+        )
         return _digest(body)[:16]
 
 
@@ -331,7 +337,7 @@ def _id_suffix(spec: SweepSpec, model: ModelSpec) -> str:
     measured = {
         "engine": spec.engine,
         "model": model.model_dump(mode="json"),
-        "workload": spec.workload.model_dump(mode="json", exclude={"max_new_tokens"}),
+        "workload": spec.workload.model_dump(mode="json", exclude={"max_new_tokens"}, exclude_none=True),
         "expert_cache_fraction": spec.memory.expert_cache_fraction,
         "slo": spec.slo.model_dump(mode="json"),
         "hardware": spec.hardware.model_dump(mode="json", exclude={"cpus_per_runner", "custom_resource"}),
@@ -350,13 +356,6 @@ def _cells_per_model(spec: SweepSpec) -> int:
 def cell_count(spec: SweepSpec) -> int:
     """How many cells :func:`iter_cells` yields, by arithmetic (nothing is expanded)."""
     return sum(len(ablation_settings(spec, m)) for m in spec.models) * _cells_per_model(spec)
-
-
-def _how_many(n: int) -> str:
-    """A count for a message: exact when short, else its order of magnitude (never thousands of digits)."""
-    if n < 10**15:
-        return f"{n:,}"
-    return f"about 10^{int(n.bit_length() * 0.30103)}"
 
 
 def iter_cells(spec: SweepSpec) -> Iterator[Cell]:
@@ -413,6 +412,7 @@ def expand(spec: SweepSpec) -> list[Cell]:
 def parse_spec(data: Any, *, source: str = "<spec>") -> SweepSpec:
     if not isinstance(data, dict):
         raise InputError(f"a sweep spec must be a mapping, got {type(data).__name__}", where=source)
+    check_no_nul(data, source)
     try:
         return SweepSpec.model_validate(data)
     except ValidationError as exc:

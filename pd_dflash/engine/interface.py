@@ -31,6 +31,9 @@ class Refused(Exception):
         self.status = status
         self.reason = reason
 
+    def __reduce__(self):  # Ray carries it from a runner to the driver (a load that is refused)
+        return (type(self), (self.status, self.reason))
+
 
 class EngineContext(BaseModel):
     """Everything an engine needs to load a model once and serve every cell of it."""

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from pd_dflash.baselines import ORDER
 from pd_dflash.errors import InputError, excerpt, format_validation_error
 from pd_dflash.spec import ModelSpec, SweepSpec, load_spec
+from pd_dflash.spec_inputs import check_here
 
 if TYPE_CHECKING:
     from pd_dflash.engine.interface import Engine
@@ -191,6 +192,14 @@ def check(spec: SweepSpec, *, where: str | None = None) -> SweepSpec:
 def load_checked_spec(path: str | Path) -> SweepSpec:
     """``spec.load_spec`` followed by :func:`check`: how a command (plan, report --spec, run) loads a spec."""
     return check(load_spec(path), where=str(path))
+
+
+def load_spec_here(path: str | Path) -> SweepSpec:
+    """:func:`load_checked_spec` plus what this machine can check (``spec_inputs.check_here``: the prompt
+    file, local mode's memory): how ``plan`` and ``run`` load a spec (``report --spec`` may run elsewhere)."""
+    spec = load_checked_spec(path)
+    check_here(spec)
+    return spec
 
 
 def plan_notes(spec: SweepSpec) -> list[str]:

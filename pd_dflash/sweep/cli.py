@@ -6,7 +6,7 @@ import argparse
 import math
 import sys
 
-from pd_dflash.engine.registry import load_checked_spec
+from pd_dflash.engine.registry import load_spec_here
 from pd_dflash.errors import InputError
 from pd_dflash.sweep.resume import Mode
 
@@ -30,7 +30,7 @@ def options_from_args(args: argparse.Namespace):
 
 
 def run_main(args: argparse.Namespace) -> int:
-    spec = load_checked_spec(args.spec)  # a bad spec is reported before Ray is even imported
+    spec = load_spec_here(args.spec)  # a bad spec is reported before Ray is even imported
     from pd_dflash.sweep.cluster import run_sweep
 
     options = options_from_args(args)

@@ -25,6 +25,7 @@ import ray
 from ray._private import ray_constants
 
 from pd_dflash.spec import SweepSpec
+from pd_dflash.spec_inputs import check_local_start
 from pd_dflash.sweep import preflight
 from pd_dflash.sweep.driver import SweepDriver
 from pd_dflash.sweep.options import Outcome, RunOptions, SweepInterrupted
@@ -112,6 +113,7 @@ def run_sweep(spec: SweepSpec, options: RunOptions, *, address: str | None = Non
                 # Local mode: this process is the head box, so OUT can be checked before a cluster is started.
                 probe_writable(Path(options.out_dir))
                 check_resumable(Path(options.out_dir), spec, options.mode)
+                check_local_start(spec)  # a named error, not Ray's ValueError about its memory
                 # address="local": always start our own cluster, never join one another process left running.
                 ray.init(address="local", **local_cluster_args(spec))
             with stop_on_signals():  # after ray.init, which installs a SIGTERM handler of its own

@@ -6,7 +6,9 @@
 - a cell that runs past ``cell_timeout_s`` → the runner is killed (Ray cannot interrupt a running method) and
   the cell gets a TIMEOUT row;
 - a model load that fails or outlives ``load_timeout_s`` is counted per load key; after ``max_attempts``
-  failures that key's cells become ERROR rows;
+  failures that key's cells become ERROR rows; a load that fails on a deterministic input error (the engine's
+  ``InputError`` or ``Refused``: a model path that is not there, no CUDA) is not retried: the key's cells are
+  REFUSED at once with the named reason (``runner.input_refusal``);
 - a box whose runners fail ``breaker_threshold`` times in a row, whose node leaves the cluster or whose device
   does not match the spec is taken out of rotation (log line + sweep.json) and its cells go to the other boxes;
   boxes that join the cluster get slots.
@@ -30,7 +32,7 @@ from pd_dflash.sweep import preflight
 from pd_dflash.sweep.placement import LoadKey, Placement
 from pd_dflash.sweep.pool import CellTimedOut, LoadFailed, LoadTimedOut, RunnerDied, RunnerPool, Slot
 from pd_dflash.sweep.preflight import Box
-from pd_dflash.sweep.runner import DeviceMismatch
+from pd_dflash.sweep.runner import DeviceMismatch, input_refusal
 from pd_dflash.sweep.sink import Sink, cause_line, first_line
 from pd_dflash.sweep.store import utc_now
 
@@ -68,6 +70,8 @@ class Health:
         if isinstance(exc, DeviceMismatch):
             self.pool.kill(slot)
             self.take_out(slot.box, f"device check failed: {getattr(exc, 'cause', exc)}")
+        elif (refusal := input_refusal(exc)) is not None:
+            self._refuse_key(slot, key, *refusal)
         elif isinstance(exc, RayActorError):
             if not self._node_alive(slot.box.node_id):  # the box is gone, the model is not to blame
                 self.pool.kill(slot)
@@ -77,6 +81,18 @@ class Health:
             self._count_load_failure(slot, key, reason, str(exc), died=True)
         else:
             self._count_load_failure(slot, key, f"model load failed: {cause_line(exc)}", str(exc), died=False)
+
+    def _refuse_key(self, slot: Slot, key: LoadKey, status: Status, reason: str) -> None:
+        """The load failed on an input error that a retry would meet again: every cell of the key, at once."""
+        self.pool.kill(slot)
+        dropped = self.scheduler.drop_key(key)
+        where = {"runner": slot.name, "model": key[0], "load_group": key[1]}
+        self._event(
+            f"{slot.name}: model {key[0]} cannot be loaded: {reason}; {len(dropped)} cells {status.value}"
+        )
+        self.sink.log("model_refused", **where, reason=reason, cells=len(dropped))
+        for task in dropped:
+            self.sink.fail(task, status, f"model cannot be loaded (not retried): {reason}", reason, slot)
 
     def load_timed_out(self, ev: LoadTimedOut) -> None:
         reason = f"model load did not finish within {self.opts.load_timeout_s:g} s"

@@ -18,6 +18,7 @@ import ray
 
 from pd_dflash.engine import registry
 from pd_dflash.engine.interface import EngineContext, Refused
+from pd_dflash.errors import InputError
 from pd_dflash.schema import EngineResult, Row, Status
 from pd_dflash.spec import Cell, Hardware, SweepSpec
 from pd_dflash.sweep.manifest import environment_manifest
@@ -34,6 +35,18 @@ class DeviceMismatch(RuntimeError):
 def short(text: str, limit: int = REASON_LIMIT) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def input_refusal(exc: BaseException) -> tuple[Status, str] | None:
+    """(status, named reason) when a model load failed on a deterministic input error — the engine raised
+    ``InputError`` (a path that is not there or not a checkpoint, CUDA asked for on a box without it) or
+    ``Refused``: the same load fails the same way again, so it is not retried. None for any other failure."""
+    for error in (getattr(exc, "cause", None), exc):  # a RayTaskError carries the engine's exception as cause
+        if isinstance(error, Refused):
+            return error.status, short(error.reason)
+        if isinstance(error, InputError):
+            return Status.REFUSED, short(error.args[0] if error.args else str(error))
+    return None
 
 
 def check_device(hardware: Hardware, gpu_ids: list[str]) -> tuple[bool, str, dict[str, Any] | None]:

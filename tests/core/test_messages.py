@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pd_dflash.schema import _digits
-from pd_dflash.spec import _how_many, parse_spec
+from pd_dflash.spec import parse_spec
+from pd_dflash.spec_inputs import how_many as _how_many
 
 
 def test_a_count_is_exact_below_a_quadrillion_and_an_order_of_magnitude_above():

@@ -86,6 +86,7 @@ def test_a_fixed_output_budget_and_the_resident_ratio():
         {"hardware": {"accelerator_type": "H100"}},
         {"env": {"X": "1"}},
         {"memory": {"expert_cache_fraction": 0.5}},
+        {"workload": {"chat_date": "2026-01-31"}},
     ],
 )  # fmt: skip
 def test_a_measured_field_changes_every_cell_id_and_the_fingerprint(change):

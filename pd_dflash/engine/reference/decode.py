@@ -26,7 +26,8 @@ class Request:
     rid: Any
     prompt: list[int]
     max_new_tokens: int
-    eos_token_id: int | None = None
+    #: Every end-of-sequence id of the target (``generation_config.eos_token_id`` may list several): any stops it.
+    eos_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
     cache: Any = None  # a transformers DynamicCache while in flight
     cached: int = 0  # tokens in the KV cache (the next position)
@@ -50,7 +51,7 @@ class Request:
     def done(self) -> bool:
         if len(self.output) >= self.max_new_tokens:
             return True
-        return self.eos_token_id is not None and bool(self.output) and self.output[-1] == self.eos_token_id
+        return bool(self.output) and self.output[-1] in self.eos_token_ids
 
 
 @dataclass(eq=False)

@@ -283,7 +283,7 @@ class ReferenceEngine(Engine):
         engine["decoding"] = "speculative" if setup.decoding.speculative else "autoregressive"
         engine["drafter"] = setup.drafter_facts
         engine["scheduler"] = setup.scheduler.describe()
-        engine["prompts"] = prompt_facts(self.ctx.workload.prompts, self.loaded.chat, setup.timed)
+        engine["prompts"] = prompt_facts(self.ctx.workload, self.loaded.chat, setup.timed)
         timings = {"setup": setup.setup_seconds, "warmup": warm_seconds, "timed": timed_seconds}
         # Only in the cell that trained the drafter, waited on another runner's training, or loaded it.
         if setup.drafter_load_seconds is not None:
@@ -411,7 +411,7 @@ class ReferenceEngine(Engine):
             return []
         try:
             prompts = make_prompts(
-                self.loaded, wl.prompts, n, wl.prompt_tokens, seed=wl.seed + 1_000_003 * stream
+                self.loaded, wl.prompts, n, wl.prompt_tokens, wl.seed + 1_000_003 * stream, wl.chat_date
             )
         except InputError as exc:  # e.g. an instruct target's tokenizer without a chat template
             raise Refused(Status.REFUSED, str(exc)) from None
@@ -421,7 +421,7 @@ class ReferenceEngine(Engine):
             if wl.temperature > 0:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(wl.seed * 1_000_003 + 7919 * stream + i)
-            out.append(Request(f"{tag}{i}", prompt, max_new, self.loaded.eos_token_id, gen))
+            out.append(Request(f"{tag}{i}", prompt, max_new, self.loaded.eos_token_ids, gen))
         return out
 
     def _serve(self, cell: Cell, requests: list[Request], setup: _CellSetup) -> list[RoundRecord]:

@@ -4,9 +4,12 @@ becomes a REFUSED row, never an out-of-memory ERROR halfway through a cell.
 
 What is available:
 
-- host: ``MemAvailable`` from ``/proc/meminfo``, lowered to the cgroup's headroom (``memory.max −
-  memory.current``, cgroup v2, or v1's ``limit_in_bytes − usage_in_bytes``) when the process runs under a
-  limit (a container, a Ray worker with a memory limit); None where neither is readable (not Linux);
+- host: ``MemAvailable`` from ``/proc/meminfo``, lowered to the cgroup's headroom when the process runs under a
+  limit (a container, a Ray worker with a memory limit): the limit minus what is in use, where the page cache
+  the kernel can reclaim (``memory.stat`` ``inactive_file``) is not in use — a cgroup's usage counts the page
+  cache of every file read, so after one 61 GB checkpoint read a second runner would otherwise be refused memory
+  that is free for the taking. cgroup v2: ``memory.max − (memory.current − inactive_file)``; v1:
+  ``limit_in_bytes − (usage_in_bytes − total_inactive_file)``. None where neither is readable (not Linux);
 - device: the CUDA driver's free bytes plus what torch's caching allocator holds reserved but unused (it hands
   that back to this process first); None on the CPU (nothing to check).
 """
@@ -24,18 +27,39 @@ from pd_dflash.schema import Status
 DEVICE_HEADROOM_BYTES = 512 * 2**20
 
 
-def host_available_bytes() -> int | None:
-    """Host memory this process can still use, in bytes (None where it cannot be read)."""
-    figures = [_meminfo_available()]
-    for limit, used in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
-        cap, current = _read_int(limit), _read_int(used)
-        if cap is not None and current is not None and cap < 2**60:  # "max" or v1's huge value: no limit
-            figures.append(max(0, cap - current))
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: (limit file, usage file, memory.stat key of the reclaimable page cache) of cgroup v2, then v1.
+_CGROUP_FILES = (
+    ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+    (
+        "memory/memory.limit_in_bytes",
+        "memory/memory.usage_in_bytes",
+        "memory/memory.stat",
+        "total_inactive_file",
+    ),
+)
+
+
+def host_available_bytes(
+    cgroup_root: Path = CGROUP_ROOT, meminfo: Path = Path("/proc/meminfo")
+) -> int | None:
+    """Host memory this process can still use, in bytes (None where it cannot be read); the paths are
+    parameters so a test can inject figures."""
+    figures = [_meminfo_available(meminfo), cgroup_headroom(cgroup_root)]
     known = [f for f in figures if f is not None]
     return min(known) if known else None
+
+
+def cgroup_headroom(root: Path = CGROUP_ROOT) -> int | None:
+    """The cgroup's limit minus its usage without reclaimable page cache (None: no limit, or not readable)."""
+    for limit, used, stat, cache_key in _CGROUP_FILES:
+        cap, current = _read_int(root / limit), _read_int(root / used)
+        if cap is None or current is None or cap >= 2**60:  # "max" or v1's huge value: no limit
+            continue
+        stats = _read_stat(root / stat)
+        reclaimable = stats.get(cache_key, stats.get("inactive_file", 0))
+        return max(0, cap - max(0, current - reclaimable))
+    return None
 
 
 def device_available_bytes(device: torch.device) -> int | None:
@@ -93,9 +117,9 @@ def kv_cache_bytes(config, tokens_per_request: int, requests: int, element_size:
     return per_token * tokens_per_request * requests
 
 
-def _meminfo_available() -> int | None:
+def _meminfo_available(path: Path) -> int | None:
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in path.read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except OSError:
@@ -103,8 +127,22 @@ def _meminfo_available() -> int | None:
     return None
 
 
-def _read_int(path: str) -> int | None:
+def _read_int(path: Path) -> int | None:
     try:
-        return int(Path(path).read_text().strip())
+        return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+def _read_stat(path: Path) -> dict[str, int]:
+    """``memory.stat`` as {key: bytes} (empty where unreadable; malformed lines are skipped)."""
+    out = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        key, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            out[key] = int(value)
+    return out

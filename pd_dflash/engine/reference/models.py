@@ -48,13 +48,14 @@ class LoadedModel:
     chat: bool = False
 
     @property
-    def eos_token_id(self) -> int | None:
-        eos = (
-            getattr(self.model.generation_config, "eos_token_id", None)
-            if self.source == "checkpoint"
-            else None
-        )
-        return eos[0] if isinstance(eos, list) and eos else eos
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id of a checkpoint's ``generation_config.eos_token_id`` (an id or a list: Qwen3 lists 151645
+        and 151643); each of them stops a request. A preset has none (its requests run to max_new_tokens)."""
+        config = getattr(self.model, "generation_config", None) if self.source == "checkpoint" else None
+        eos = getattr(config, "eos_token_id", None)
+        if eos is None:
+            return frozenset()
+        return frozenset(int(t) for t in ([eos] if isinstance(eos, int) else eos))
 
 
 def load_model(
@@ -111,13 +112,16 @@ def load_model(
     )
 
 
-def make_prompts(loaded: LoadedModel, source: str, n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
+def make_prompts(
+    loaded: LoadedModel, source: str, n: int, prompt_tokens: int, seed: int, chat_date: str | None = None
+) -> list[list[int]]:
     """``n`` prompts (token ids), deterministic in ``seed``.
 
     "synthetic": sequences of the preset's language (for a checkpoint: ids drawn from a language over the
     first tokens of its vocabulary — runnable, not meaningful text). Text prompts (``humaneval``, ``file:PATH``,
     a plain file; ``prompts.py``) go through the checkpoint's tokenizer, its chat template for an instruct
-    target; a preset's plain file holds token ids. Chosen by a seeded permutation, cycled to ``n``.
+    target, rendered with the fixed ``chat_date``; a preset's plain file holds token ids. Chosen by a seeded
+    permutation, cycled to ``n``.
     """
     if source == "synthetic":
         lang = loaded.language or _fallback_language(loaded.model.config.vocab_size)
@@ -127,7 +131,13 @@ def make_prompts(loaded: LoadedModel, source: str, n: int, prompt_tokens: int, s
         where = str(Path(loaded.tokenizer.name_or_path) / "tokenizer_config.json")
         texts = load_prompt_texts(source)
         prompts = encode_prompts(
-            texts, loaded.tokenizer, chat=loaded.chat, source=source, where=where, vocab_size=vocab
+            texts,
+            loaded.tokenizer,
+            chat=loaded.chat,
+            source=source,
+            where=where,
+            vocab_size=vocab,
+            date=chat_date,
         )
     elif prompt_kind(source) == "lines":
         prompts = _token_id_lines(source, vocab)

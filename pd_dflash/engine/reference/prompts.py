@@ -9,19 +9,25 @@
 
 Instruct targets get their tokenizer's chat template: each prompt becomes one user message, rendered with
 ``add_generation_prompt=True`` and tokenized without adding special tokens again (as DFlash's own benchmark does).
+The template renders a FIXED date (``workload.chat_date``, default ``spec_inputs.DEFAULT_CHAT_DATE``) wherever
+it calls ``strftime_now(...)`` (gpt-oss's harmony system message says "Current date: ..."), so the prompt tokens
+are the same on every day and on every box of a sweep; the row's ``engine.prompts.chat_date`` records it.
 A HumanEval problem is then wrapped in DFlash's benchmark instruction (``HUMANEVAL_INSTRUCTION``); a base target
 gets the raw problem (code completion). Every bad input is an InputError naming the file (and line) and field.
 """
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pd_dflash.errors import InputError
+from pd_dflash.spec_inputs import DEFAULT_CHAT_DATE
 
 WHERE = "workload.prompts"
 HUMANEVAL = "humaneval"
@@ -96,23 +102,64 @@ def check_prompt_source(source: str, *, has_tokenizer: bool | None = None, model
     load_prompt_texts(source)
 
 
+#: A call of the template's clock with a literal format: ``strftime_now("%Y-%m-%d")``.
+_STRFTIME_CALL = re.compile(r"""strftime_now\(\s*(?:"([^"\\]*)"|'([^'\\]*)')\s*\)""")
+
+
+def chat_date(value: str | None) -> str:
+    """The date chat templates render: ``workload.chat_date``, else the fixed default (never the clock)."""
+    return value or DEFAULT_CHAT_DATE
+
+
+def fixed_date_template(template: str, date: str, where: str) -> str:
+    """``template`` with every ``strftime_now("FORMAT")`` call replaced by ``date`` in that format (a JSON
+    string literal, which Jinja reads as a string); a call with a format that is not a literal cannot be
+    fixed and is an InputError naming the tokenizer's file."""
+    day = datetime.date.fromisoformat(date)
+
+    def literal(match: re.Match[str]) -> str:
+        fmt = match.group(1) if match.group(1) is not None else match.group(2)
+        return json.dumps(day.strftime(fmt))
+
+    fixed = _STRFTIME_CALL.sub(literal, template)
+    if re.search(r"strftime_now\s*\(", fixed):
+        raise InputError(
+            "the chat template calls strftime_now with a format that is not a string literal: its date cannot be "
+            "fixed, so its prompts would change with the day they are rendered",
+            where=where,
+        )
+    return fixed
+
+
 def encode_prompts(
-    texts: Sequence[str], tokenizer: Any, *, chat: bool, source: str, where: str, vocab_size: int
+    texts: Sequence[str],
+    tokenizer: Any,
+    *,
+    chat: bool,
+    source: str,
+    where: str,
+    vocab_size: int,
+    date: str | None = None,
 ) -> list[list[int]]:
-    """Token ids of each prompt: through the chat template for an instruct target (``chat``), else plain
-    (the tokenizer's special tokens added). ``where`` names the tokenizer's file for the errors."""
+    """Token ids of each prompt: through the chat template for an instruct target (``chat``; rendered with the
+    fixed ``date``, :func:`chat_date`), else plain (the tokenizer's special tokens added). ``where`` names the
+    tokenizer's file for the errors."""
     if chat and not getattr(tokenizer, "chat_template", None):
         raise InputError(
             "no chat_template, but the target is an instruct model (prompted through its chat template); add the "
             "tokenizer's chat template",
             where=where,
         )
+    template = fixed_date_template(tokenizer.get_chat_template(), chat_date(date), where) if chat else None
     out = []
     for i, text in enumerate(texts):
         if chat:
             body = HUMANEVAL_INSTRUCTION.format(prompt=text) if source == HUMANEVAL else text
             rendered = tokenizer.apply_chat_template(
-                [{"role": "user", "content": body}], tokenize=False, add_generation_prompt=True
+                [{"role": "user", "content": body}],
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=True,
             )
             ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
         else:
@@ -139,11 +186,13 @@ def select(prompts: Sequence[list[int]], n: int, seed: int) -> list[list[int]]:
     return [list(prompts[order[i % len(prompts)]]) for i in range(n)]
 
 
-def prompt_facts(source: str, chat: bool, requests: Sequence[Any]) -> dict[str, Any]:
-    """The row's ``engine.prompts``: where the timed requests' prompts came from and their token counts."""
+def prompt_facts(workload: Any, chat: bool, requests: Sequence[Any]) -> dict[str, Any]:
+    """The row's ``engine.prompts`` for the spec's ``workload``: where the timed requests' prompts came from,
+    the date a chat template rendered (:func:`chat_date`; the same on every box of a sweep), token counts."""
     return {
-        "source": source,
+        "source": workload.prompts,
         "chat_template": chat,
+        **({"chat_date": chat_date(workload.chat_date)} if chat else {}),
         "requests": len(requests),
         "prompt_tokens": token_counts([len(r.prompt) for r in requests]),
         "output_tokens": token_counts([len(r.output) for r in requests]),

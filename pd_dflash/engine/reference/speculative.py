@@ -67,8 +67,9 @@ class SpeculativeDecoding:
                 result = greedy_accept(logits[None], drafts)
             committed, kept = result.committed()[0], int(result.accepted[0]) + 1
         committed = committed[: r.remaining]
-        if r.eos_token_id is not None and r.eos_token_id in committed:
-            committed = committed[: committed.index(r.eos_token_id) + 1]
+        stop = next((i for i, t in enumerate(committed) if t in r.eos_token_ids), None)
+        if stop is not None:  # the first token that is any of the eos ids ends the request
+            committed = committed[: stop + 1]
         r.output.extend(committed)
         rejected = len(block.tokens) - kept
         r.cache.crop(-rejected)  # also trims sliding-window layers back to their window (crop(0) included)

@@ -127,8 +127,16 @@ def test_check_drafter_before_the_sweep(tmp_path):
     with pytest.raises(InputError, match="not found here"):
         check_drafter("z-lab/gpt-oss-20b-DFlash", TARGET, target_where="t", env=env, require_present=True)
     (good / "config.json").write_text("{not json")
-    with pytest.raises(InputError, match="unreadable"):
+    with pytest.raises(InputError, match="invalid JSON"):
         check_drafter(str(good), TARGET, target_where="t")
+
+
+def test_plan_notes_block_sizes_above_the_drafters_trained_one(tmp_path):
+    """z-lab/gpt-oss-20b-DFlash is trained at B = 8: a spec with B = 16 is told so at plan (issue 22)."""
+    good = drafter_dir(tmp_path, block_size=8)
+    assert check_drafter(str(good), TARGET, target_where="t", block_sizes=[4, 8]) is None
+    note = check_drafter(str(good), TARGET, target_where="t", block_sizes=[8, 16, 32])
+    assert "trained for block size 8" in note and "B = 16, 32" in note and "dflash_config.block_size" in note
 
 
 def test_a_hub_id_resolves_from_the_hf_cache(tmp_path):

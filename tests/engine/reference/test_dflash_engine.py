@@ -16,6 +16,7 @@ from pd_dflash.engine.reference.dflash.tiny import tiny_drafter_config, write_ti
 from pd_dflash.engine.reference.models import make_prompts
 from pd_dflash.schema import EngineResult, Row, Status
 from pd_dflash.spec import expand
+from pd_dflash.spec_inputs import DEFAULT_CHAT_DATE
 from tests.engine.reference.conftest import tiny_model
 from tests.engine.reference.test_engine import make_engine, make_spec
 from tests.engine.reference.test_prompts import CHAT_TEMPLATE, make_tokenizer
@@ -78,7 +79,8 @@ def hf_generate_digest(ckpt, prompts, max_new, eos):
         ids = torch.tensor([p])
         out = model.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0)
         new = out[0, len(p) :].tolist()
-        outputs.append(new[: new.index(eos) + 1] if eos is not None and eos in new else new)
+        stop = next((i for i, t in enumerate(new) if t in (eos or ())), None)  # any of the eos ids
+        outputs.append(new if stop is None else new[: stop + 1])
     return hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16]
 
 
@@ -131,7 +133,10 @@ def test_every_configuration_is_lossless_with_a_published_layout_drafter(tmp_pat
         assert facts["chat_template"] is True and facts["requests"] == WORKLOAD["requests"]
         assert facts["output_tokens"]["total"] == row.generated_tokens
         assert facts["prompt_tokens"]["min"] > len(PROMPTS[-1].split())  # the chat template's tokens too
-    assert hf_generate_digest(ckpt, prompts, WORKLOAD["max_new_tokens"], loaded.eos_token_id) == reference
+    assert (
+        hf_generate_digest(ckpt, prompts, WORKLOAD["max_new_tokens"], sorted(loaded.eos_token_ids) or None)
+        == reference
+    )
     for baseline in ("B1", "B2", "OURS"):
         row = rows[(baseline, 4, 3)]
         drafter_facts = row.engine["drafter"]
@@ -160,6 +165,7 @@ def test_a_block_above_the_trained_block_size_runs_with_a_warning(tmp_path):
     (warning,) = rows[("B1", 8, 2)].warnings
     assert "block size 8 is above the DFlash drafter's trained block size 4" in warning
     assert "dflash_config.block_size" in warning and not rows[("B1", 4, 2)].warnings
+    assert rows[("B1", 8, 2)].engine["drafter"]["trained_block_size"] == 4  # read from its config
 
 
 def test_the_tiny_drafter_name_runs_on_any_checkpoint(tmp_path):
@@ -210,4 +216,5 @@ def test_humaneval_prompts_on_a_checkpoint(tmp_path):
     _, rows = run(spec)
     facts = rows[("B0", 4, 2)].engine["prompts"]
     assert rows[("B0", 4, 2)].status == Status.OK and facts["source"] == "humaneval"
+    assert facts["chat_date"] == DEFAULT_CHAT_DATE  # the fixed date the chat template rendered (issue 22)
     assert facts["prompt_tokens"]["min"] > 20 and facts["output_tokens"]["total"] == 2 * WORKLOAD["requests"]

@@ -27,7 +27,11 @@ def hf_digest(directory, prompts, max_new, eos):
     outputs = []
     for p in prompts:
         ids = model.generate(
-            torch.tensor([p]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos
+            torch.tensor([p]),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0] if eos else None,
         )
         outputs.append(ids[0, len(p) :].tolist())
     return hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16]
@@ -61,7 +65,9 @@ def test_all_five_configurations_equal_transformers_generate(real_rows):
     cell = next(c for c in expand(spec) if c.baseline == "B0")
     prompts = make_prompts(engine.loaded, wl.prompts, wl.requests, wl.prompt_tokens, seed=wl.seed)
     directory = engine.loaded.card["checkpoint"]
-    assert digests == {hf_digest(directory, prompts, cell.max_new_tokens, engine.loaded.eos_token_id)}
+    assert digests == {
+        hf_digest(directory, prompts, cell.max_new_tokens, sorted(engine.loaded.eos_token_ids) or None)
+    }
 
 
 def test_rows_report_the_stored_expert_bytes(real_rows):

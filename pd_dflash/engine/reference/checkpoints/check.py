@@ -7,13 +7,17 @@ driver; the engine runs :func:`check_checkpoint` before it allocates anything. E
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pd_dflash.engine.reference.checkpoints.fields import (
+    generation_eos_ids,
+    has_chat_template,
+    read_target_config,
+)
 from pd_dflash.engine.reference.checkpoints.files import CheckpointFiles, open_checkpoint
 from pd_dflash.engine.reference.checkpoints.layouts import (
     ExpertLayout,
@@ -37,37 +41,13 @@ class CheckedCheckpoint:
     files: CheckpointFiles
 
 
-def read_config(directory: Path) -> dict[str, Any]:
-    path = directory / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError(
-            "no config.json: not a transformers checkpoint (or not downloaded)", where=str(path)
-        ) from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"unreadable config: {exc}", where=str(path)) from None
-    if not isinstance(config, dict):
-        raise InputError("config.json is not a JSON object", where=str(path))
-    return config
-
-
-def has_chat_template(directory: Path) -> bool:
-    """A chat template saved beside the tokenizer (``chat_template.jinja``/``.json`` or tokenizer_config.json)."""
-    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
-        return True
-    try:
-        return bool(json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return False
-
-
 def check_checkpoint(directory: Path, *, chat_template_for: str | None = None) -> CheckedCheckpoint:
     """Everything about the checkpoint in ``directory`` that can be checked without loading it
     (``chat_template_for``: the model id whose instruct-ness decides whether a chat template is required)."""
-    config = read_config(directory)
+    config = read_target_config(directory)  # every key the engine reads, of its type
     where = str(directory / "config.json")
     architecture_of(config, where)
+    generation_eos_ids(directory)  # its types, before transformers reads it at load
     files = open_checkpoint(directory)
     layout = expert_layout(config, where=where, dtype=_stored_float_dtype(files, config))
     for layer in layout.moe_layers:
@@ -131,12 +111,24 @@ def check_spec(spec: Any) -> list[str]:
 
     env = {**os.environ, **spec.env}
     text_prompts = prompt_kind(spec.workload.prompts) != "synthetic"
+    _check_prompt_content(spec.workload.prompts)
     notes = []
     for i, m in enumerate(spec.models):
         if m.preset is not None or _is_preset_name(m.id):
             continue
         found = resolve(m.id, m.path, env=env)
         if found.source == "tiny-real":
+            continue
+        if found.problem == "is not a directory":
+            raise InputError(
+                f"{m.path} is not a directory: a checkpoint is a directory with config.json and safetensors",
+                where=f"models.{i}.path",
+            )
+        if found.problem is not None:
+            notes.append(
+                f"{m.id}: models.{i}.path {m.path} {found.problem} here; the runners look for it on their boxes "
+                "(a box without it refuses the model's cells)"
+            )
             continue
         if found.directory is None:
             notes.append(
@@ -148,7 +140,11 @@ def check_spec(spec: Any) -> list[str]:
             checked = check_checkpoint(found.directory, chat_template_for=m.id if text_prompts else None)
             note = (
                 check_drafter(
-                    m.draft, checked.config, target_where=str(found.directory / "config.json"), env=env
+                    m.draft,
+                    checked.config,
+                    target_where=str(found.directory / "config.json"),
+                    env=env,
+                    block_sizes=spec.block_sizes,
                 )
                 if m.draft
                 else None
@@ -158,6 +154,17 @@ def check_spec(spec: Any) -> list[str]:
         if note:
             notes.append(f"{m.id}: {note}")
     return notes
+
+
+def _check_prompt_content(source: str) -> None:
+    """A prompt file that is here is read as the runners will read it (bad lines named at plan time); one that
+    is not here is ``spec_inputs.check_here``'s to refuse (plan, run), not this check's (report --spec too)."""
+    from pd_dflash.engine.reference.prompts import load_prompt_texts
+    from pd_dflash.spec_inputs import prompt_file
+
+    path = prompt_file(source)
+    if path is not None and path.is_file():
+        load_prompt_texts(source)
 
 
 def _is_preset_name(name: str) -> bool:

@@ -9,12 +9,13 @@ is an :class:`~pd_dflash.errors.InputError` naming the file.
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from pd_dflash.errors import InputError
+from pd_dflash.engine.reference.checkpoints.fields import read_weight_map
+from pd_dflash.errors import InputError, excerpt
+from pd_dflash.safe_load import decode_utf8, load_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -51,25 +52,23 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             (length,) = struct.unpack("<Q", raw)
             if length > min(_MAX_HEADER, size - 8):
                 raise InputError(f"not a safetensors file (header length {length} B)", where=str(path))
-            header = json.loads(f.read(length))
+            raw_header = f.read(length)
     except OSError as exc:
         raise InputError(f"cannot read: {exc.strerror or exc}", where=str(path)) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"corrupt safetensors header: {exc}", where=str(path)) from None
+    try:
+        header = load_json(decode_utf8(raw_header, where=str(path)), where=str(path))
+    except InputError as exc:
+        raise InputError(f"corrupt safetensors header: {exc.message}", where=str(path)) from None
+    if not isinstance(header, dict):
+        raise InputError("corrupt safetensors header: not a JSON object of tensors", where=str(path))
     base = 8 + length
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
+            _check_metadata(info, path)
             continue
-        try:
-            dtype, shape, (begin, end) = (
-                info["dtype"],
-                tuple(int(d) for d in info["shape"]),
-                info["data_offsets"],
-            )
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"tensor {name!r}: malformed header entry", where=str(path)) from None
-        entry = TensorEntry(name, path, dtype, shape, base + int(begin), base + int(end))
+        dtype, shape, (begin, end) = _header_entry(name, info, path)
+        entry = TensorEntry(name, path, dtype, shape, base + begin, base + end)
         if dtype in DTYPE_BYTES and entry.nbytes != _numel(shape) * DTYPE_BYTES[dtype]:
             raise InputError(f"tensor {name!r}: {entry.nbytes} B for {dtype}{list(shape)}", where=str(path))
         if entry.end > size:
@@ -107,11 +106,9 @@ class CheckpointFiles:
 def open_checkpoint(directory: Path) -> CheckpointFiles:
     """Every tensor of the checkpoint in ``directory`` (sharded with an index, or one model.safetensors)."""
     index = directory / INDEX_FILE
+    weight_map: dict[str, str] | None
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise InputError(f"unreadable index: {exc}", where=str(index)) from None
+        weight_map = read_weight_map(index)
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (directory / n).is_file()]
         if missing:
@@ -140,6 +137,45 @@ def open_checkpoint(directory: Path) -> CheckpointFiles:
                 where=str(directory),
             )
     return CheckpointFiles(directory, tensors, files)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _header_entry(name: str, info: object, path: Path) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """(dtype, shape, data_offsets) of one header entry, each of its JSON type (InputError naming the key)."""
+    where = str(path)
+    if not isinstance(info, dict):
+        raise InputError(
+            f"tensor {name!r}: header entry must be a JSON object, got {excerpt(info)}", where=where
+        )
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
+    if missing:
+        raise InputError(f"tensor {name!r}: header entry has no {', '.join(missing)}", where=where)
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str):
+        raise InputError(f"tensor {name!r}: dtype must be a string, got {excerpt(dtype)}", where=where)
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise InputError(
+            f"tensor {name!r}: shape must be a list of non-negative integers, got {excerpt(shape)}",
+            where=where,
+        )
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise InputError(
+            f"tensor {name!r}: data_offsets must be two non-negative integers [begin, end], got {excerpt(offsets)}",
+            where=where,
+        )
+    if offsets[0] > offsets[1]:
+        raise InputError(f"tensor {name!r}: data_offsets {offsets} end before they begin", where=where)
+    return dtype, tuple(shape), (offsets[0], offsets[1])
+
+
+def _check_metadata(info: object, path: Path) -> None:
+    if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+        raise InputError(
+            f"__metadata__ must be a JSON object of strings, got {excerpt(info)}", where=str(path)
+        )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -56,6 +56,11 @@ def locate(model_id: str, path: str | None, cache_dir: str | None) -> tuple[Path
         from pd_dflash.engine.reference.checkpoints.tiny import materialise
 
         return materialise(model_id, cache_dir), found.source
+    if found.problem is not None:
+        raise InputError(
+            f"{path} {found.problem} on this box: a checkpoint is a directory with config.json and safetensors",
+            where=found.field,
+        )
     if found.directory is None:
         raise InputError(
             f"checkpoint {path or model_id!r} not found offline (looked in {', '.join(found.tried)}). Use a local "

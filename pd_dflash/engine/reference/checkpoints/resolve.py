@@ -28,6 +28,8 @@ class Resolved:
     tried: tuple[str, ...] = ()
     #: The spec field the location came from.
     field: str = "models[].id"
+    #: Why ``models[].path`` is not a checkpoint directory here: "does not exist" or "is not a directory".
+    problem: str | None = None
 
 
 def hub_cache(env: Mapping[str, str] | None = None) -> Path:
@@ -61,9 +63,10 @@ def resolve(
     checkpoint directory, for the tiny real-layout names)."""
     if path:
         p = Path(path).expanduser()
-        return Resolved(
-            p if p.is_dir() else None, "path" if p.is_dir() else "missing", (str(p),), "models[].path"
-        )
+        if p.is_dir():
+            return Resolved(p, "path", (str(p),), "models[].path")
+        problem = "is not a directory" if p.exists() else "does not exist"
+        return Resolved(None, "missing", (str(p),), "models[].path", problem)
     if model_id in TINY_REAL:
         root = tiny_root or Path("<cache>/checkpoints")
         return Resolved(root / model_id, "tiny-real", (str(root / model_id),))

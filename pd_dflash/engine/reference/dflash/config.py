@@ -10,16 +10,17 @@ vocabulary must be the target's; :func:`drafter_problems` says what does not fit
 
 from __future__ import annotations
 
-import json
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from pd_dflash.engine.reference.checkpoints.fields import read_json_object
 from pd_dflash.engine.reference.checkpoints.resolve import hub_snapshot
-from pd_dflash.errors import InputError
+from pd_dflash.errors import InputError, excerpt
 
 ARCHITECTURE = "DFlashDraftModel"
 UNSUPPORTED = {
@@ -65,15 +66,8 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError("no config.json here", where=str(path)) from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"unreadable: {exc}", where=str(path)) from None
-    if not isinstance(data, dict):
-        raise InputError("not a JSON object", where=str(path))
-    return data
+    """A drafter's ``config.json``: a bounded JSON object (``checkpoints.fields``)."""
+    return read_json_object(path, missing="no config.json here")
 
 
 class _Fields:
@@ -92,7 +86,15 @@ class _Fields:
     def integer(self, name: str, default: Any = None, *, low: int = 1) -> int:
         got = self.value(name, default)
         if isinstance(got, bool) or not isinstance(got, int) or got < low:
-            raise InputError(f"{self.field(name)} must be an integer ≥ {low}, got {got!r}", where=self.where)
+            raise InputError(
+                f"{self.field(name)} must be an integer ≥ {low}, got {excerpt(got)}", where=self.where
+            )
+        return got
+
+    def boolean(self, name: str, default: bool = False) -> bool:
+        got = self.raw.get(name, default)
+        if not isinstance(got, bool):
+            raise InputError(f"{name} must be true or false, got {excerpt(got)}", where=self.where)
         return got
 
     def number(self, name: str, default: float | None) -> float | None:
@@ -100,7 +102,9 @@ class _Fields:
         if got is None:
             return None
         if isinstance(got, bool) or not isinstance(got, int | float):
-            raise InputError(f"{self.field(name)} must be a number, got {got!r}", where=self.where)
+            raise InputError(f"{self.field(name)} must be a number, got {excerpt(got)}", where=self.where)
+        if not math.isfinite(got):
+            raise InputError(f"{self.field(name)} must be finite, got {got!r}", where=self.where)
         return float(got)
 
     def layer_ids(self, layers: int, num_target: int | None) -> tuple[int, ...]:
@@ -117,7 +121,7 @@ class _Fields:
             or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
         ):
             raise InputError(
-                f"dflash_config.target_layer_ids must be a non-empty list of integers, got {ids!r}",
+                f"dflash_config.target_layer_ids must be a non-empty list of integers, got {excerpt(ids)}",
                 where=self.where,
             )
         if len(set(ids)) != len(ids):
@@ -130,11 +134,13 @@ def _dflash_section(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     dflash = raw.get("dflash_config")
     if not isinstance(dflash, dict):
         raise InputError("no dflash_config object: not a DFlash drafter config", where=where)
-    arch = list(raw.get("architectures") or [ARCHITECTURE])
+    arch = raw.get("architectures") or [ARCHITECTURE]
+    if not isinstance(arch, list) or not all(isinstance(a, str) for a in arch):
+        raise InputError(f"architectures must be a list of class names, got {excerpt(arch)}", where=where)
     if arch[0] in UNSUPPORTED:
         raise InputError(f"architectures {arch}: {UNSUPPORTED[arch[0]]}", where=where)
     if arch[0] != ARCHITECTURE:
-        raise InputError(f"architectures {arch}: expected [{ARCHITECTURE!r}]", where=where)
+        raise InputError(f"architectures {excerpt(arch)}: expected [{ARCHITECTURE!r}]", where=where)
     return dflash
 
 
@@ -152,9 +158,9 @@ def parse_drafter_config(raw: Mapping[str, Any], where: str) -> DFlashConfig:
             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}", where=where
         )
     act = raw.get("hidden_act", "silu")
-    if act not in SUPPORTED_ACTIVATIONS:
+    if not isinstance(act, str) or act not in SUPPORTED_ACTIVATIONS:
         raise InputError(
-            f"hidden_act {act!r} is not supported (supported: {SUPPORTED_ACTIVATIONS})", where=where
+            f"hidden_act {excerpt(act)} is not supported (supported: {SUPPORTED_ACTIVATIONS})", where=where
         )
     num_target = None if f.value("num_target_layers") is None else f.integer("num_target_layers")
     if f.value("mask_token_id") is None:
@@ -169,7 +175,7 @@ def parse_drafter_config(raw: Mapping[str, Any], where: str) -> DFlashConfig:
         intermediate_size=f.integer("intermediate_size"),
         vocab_size=None if raw.get("vocab_size") is None else f.integer("vocab_size"),
         rms_norm_eps=f.number("rms_norm_eps", 1e-6),
-        attention_bias=bool(raw.get("attention_bias", False)),
+        attention_bias=f.boolean("attention_bias"),
         num_target_layers=num_target,
         target_layer_ids=f.layer_ids(layers, num_target),
         mask_token_id=f.integer("mask_token_id", low=0),
@@ -240,12 +246,14 @@ def check_drafter(
     target_where: str,
     env: Mapping[str, str] | None = None,
     require_present: bool = False,
+    block_sizes: Sequence[int] = (),
 ) -> str | None:
     """Check ``models[].draft`` against its target's ``config.json`` (already read) before anything loads.
 
     Incompatible or malformed: an InputError naming both files and the fields. Not on this machine: a note
-    (``plan`` on a head box without the weights), or an InputError when ``require_present``. The tiny drafter
-    name is generated for the target, so it always fits.
+    (``plan`` on a head box without the weights), or an InputError when ``require_present``. A block size of
+    ``block_sizes`` above the drafter's trained one: a note (those cells run, each row with a warning). The tiny
+    drafter name is generated for the target, so it always fits.
     """
     if not draft or draft == TINY_DRAFTER:
         return None
@@ -263,5 +271,11 @@ def check_drafter(
     if problems:
         raise InputError(
             f"drafter {draft!r} does not fit its target: " + "; ".join(problems), where="models[].draft"
+        )
+    above = sorted(b for b in block_sizes if b > config.block_size)
+    if above:
+        return (
+            f"DFlash drafter {draft!r} is trained for block size {config.block_size} ({where}: "
+            f"dflash_config.block_size); its cells at B = {', '.join(map(str, above))} run with a row warning"
         )
     return None

@@ -10,13 +10,13 @@ or misshapen tensor is an InputError naming the file and the tensor. Tensors the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from pd_dflash.engine.reference.checkpoints.fields import read_weight_map
 from pd_dflash.engine.reference.dflash.config import drafter_problems, parse_drafter_config, read_json
 from pd_dflash.engine.reference.dflash.model import DFlashDrafter
 from pd_dflash.errors import InputError
@@ -44,10 +44,7 @@ def read_tensors(directory: Path) -> dict[str, tuple[torch.Tensor, Path]]:
 
     index = directory / INDEX_FILE
     if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as exc:
-            raise InputError(f"unreadable index: {exc}", where=str(index)) from None
+        files = sorted(set(read_weight_map(index).values()))
     else:
         files = [p.name for p in sorted(directory.glob("*.safetensors"))]
     if not files:

@@ -1,0 +1,117 @@
+"""A model load that fails on a deterministic input error is not retried (issue 22, defect 6): a model path
+that is not there or not a checkpoint, CUDA asked for on a box without it, a load the engine refuses. Its
+cells are REFUSED at once with the named reason, instead of ``max_attempts`` loads and ERROR rows."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.exceptions import RayTaskError  # noqa: E402
+
+from pd_dflash.engine.interface import Refused  # noqa: E402
+from pd_dflash.errors import InputError  # noqa: E402
+from pd_dflash.schema import Status  # noqa: E402
+from pd_dflash.spec import expand  # noqa: E402
+from pd_dflash.sweep.cluster import run_sweep  # noqa: E402
+from pd_dflash.sweep.options import RunOptions  # noqa: E402
+from pd_dflash.sweep.runner import input_refusal  # noqa: E402
+from tests.sweep.helpers import REPO, make_spec, stored_rows  # noqa: E402
+from tests.sweep.load_fault_engine import ENTRY_POINT as LOAD_FAULT  # noqa: E402
+
+
+def wrapped(exc: BaseException) -> RayTaskError:
+    """The error ``ray.get`` raises for a task or actor method that raised ``exc`` (after a round trip)."""
+    return pickle.loads(pickle.dumps(RayTaskError("Runner.load", "Traceback ...", exc)))
+
+
+def test_input_errors_and_refusals_are_deterministic_and_other_failures_are_not():
+    missing = InputError("/data/qwen does not exist on this box", where="models[].path")
+    assert input_refusal(wrapped(missing)) == (
+        Status.REFUSED,
+        "models[].path: /data/qwen does not exist on this box",
+    )
+    assert input_refusal(missing) == (Status.REFUSED, str(missing))
+    refused = Refused(Status.UNAVAILABLE_CAPACITY, "the host store needs 61 GB, 32 GB available")
+    assert input_refusal(wrapped(refused)) == (Status.UNAVAILABLE_CAPACITY, refused.reason)
+    assert input_refusal(wrapped(RuntimeError("CUDA error: an illegal memory access"))) is None
+    assert input_refusal(wrapped(OSError(5, "Input/output error"))) is None
+    assert input_refusal(RuntimeError("x")) is None
+
+
+def test_a_load_that_fails_on_bad_input_refuses_its_cells_at_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)  # the workers import the test engine from the working directory
+    if ray.is_initialized():
+        ray.shutdown()
+    spec = make_spec(
+        engine=LOAD_FAULT,
+        models=[
+            {"id": "m1", "engine_options": {"seconds": 0.05, "bad_input": "input"}},
+            {"id": "m2", "engine_options": {"seconds": 0.05, "bad_input": "refused"}},
+            {"id": "m3", "engine_options": {"seconds": 0.05}},
+        ],
+    )
+    out = tmp_path / "out"
+    opts = RunOptions(out_dir=str(out), progress=False, poll_s=0.2, plots=False, max_attempts=3)
+    outcome = run_sweep(spec, opts)
+    rows = {r.cell_id: r for r in stored_rows(out)}
+    assert sorted(rows) == sorted(c.cell_id for c in expand(spec))
+    for cell in expand(spec):
+        row = rows[cell.cell_id]
+        if cell.model == "m3":
+            assert row.status == Status.OK
+        elif cell.model == "m1":
+            assert row.status == Status.REFUSED and row.attempt == 1, row
+            assert "not retried" in row.reason and "models[].path: /nowhere/m1 does not exist" in row.reason
+        else:
+            assert row.status == Status.UNAVAILABLE_CAPACITY and "2 TB of host memory" in row.reason
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["event"] == "load_failed"]  # never counted as a failure to retry
+    refused = [e for e in events if e["event"] == "model_refused"]
+    assert {e["model"] for e in refused} == {"m1", "m2"} and sum(e["cells"] for e in refused) == 12
+    assert outcome.loads <= 4  # one try per bad model (two runners), not max_attempts
+
+
+@pytest.mark.parametrize(
+    ("model", "hardware", "named"),
+    [
+        ({"id": "org/absent", "path": "{tmp}/nowhere"}, {"device": "cpu"}, "{tmp}/nowhere does not exist"),
+        (
+            {"id": "org/file", "path": "{tmp}/file.txt"},
+            {"device": "cpu"},
+            "{tmp}/file.txt is not a directory",
+        ),
+        ({"id": "micro", "preset": "micro"}, {"device": "cuda"}, "CUDA is not available"),
+    ],
+)
+def test_the_reference_engine_refuses_a_bad_path_or_device_without_retrying(
+    tmp_path, monkeypatch, model, hardware, named
+):
+    import torch
+
+    if hardware["device"] == "cuda" and torch.cuda.is_available():
+        pytest.skip("this box has CUDA")
+    monkeypatch.chdir(REPO)
+    if ray.is_initialized():
+        ray.shutdown()
+    (tmp_path / "file.txt").write_text("not a checkpoint")
+    model = {k: v.format(tmp=tmp_path) for k, v in model.items()}
+    spec = make_spec(
+        engine="reference",
+        models=[model],
+        baselines=["B0"],
+        hardware={"accelerator_type": None, "cpus_per_runner": 1, **hardware},
+        local={"fake_gpus": 1, "num_cpus": 2, "object_store_mb": 100},
+    )
+    out = tmp_path / "out"
+    opts = RunOptions(out_dir=str(out), progress=False, poll_s=0.2, plots=False, max_attempts=3)
+    run_sweep(spec, opts)
+    rows = stored_rows(out)
+    assert len(rows) == len(expand(spec)) == 2
+    assert all(r.status == Status.REFUSED and named.format(tmp=tmp_path) in r.reason for r in rows), rows
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events].count("model_refused") == 1
+    assert not [e for e in events if e["event"] == "load_failed"]
