@@ -328,6 +328,12 @@ class SweepDriver:
             self._event(f"writing the result matrices failed: {err.splitlines()[0]}")
         statuses = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k not in ("stored", "total"))
         out = self.opts.out_dir
+        if summary["storage_error"]:  # the counts are what the store believed: no summary of them
+            self._event(
+                f"sweep {self.spec.name}: stopped after {format_duration(wall)}: {summary['storage_error']}. "
+                "Nothing more was stored; fix the cause and rerun with the same --out to resume"
+            )
+            return 1
         self._event(
             f"sweep {self.spec.name}: {counts['stored']}/{counts['total']} cells stored ({statuses}) in "
             f"{format_duration(wall)}; {self.pool.loads} model loads; rows in {out}/{ROWS_FILE}"
@@ -340,12 +346,6 @@ class SweepDriver:
         if stop is not None:
             self._event(f"stopped by {stop.name}: {unrun} cells not run; rerun with the same --out to resume")
             return 128 + stop.signum
-        if summary["storage_error"]:
-            self._event(
-                f"stopped: {summary['storage_error']}. Stored rows are intact; free the space (or fix the disk) "
-                "and rerun with the same --out to resume"
-            )
-            return 1
         if unrun:
             self._event(f"{unrun} cells not run: no box left in rotation (rerun to resume them)")
         complete = counts["stored"] == counts["total"]
