@@ -26,6 +26,7 @@ from ray._private import ray_constants
 
 from pd_dflash.spec import SweepSpec
 from pd_dflash.sweep import preflight
+from pd_dflash.sweep.connect import Address, bounded, parse_address, reach
 from pd_dflash.sweep.driver import SweepDriver
 from pd_dflash.sweep.options import Outcome, RunOptions, SweepInterrupted
 from pd_dflash.sweep.resume import check_resumable, probe_writable
@@ -100,14 +101,16 @@ def stop_on_signals() -> Iterator[None]:
 def run_sweep(spec: SweepSpec, options: RunOptions, *, address: str | None = None) -> Outcome:
     """Run a sweep: join ``address`` (or $RAY_ADDRESS, or an already connected Ray), else start local mode."""
     options.out_dir = os.path.abspath(options.out_dir)
-    address = None if ray.is_initialized() else address or os.environ.get("RAY_ADDRESS")
-    local = not ray.is_initialized() and not address
+    target = None if ray.is_initialized() else cluster_address(address)
+    local = not ray.is_initialized() and target is None
     owns_ray = not ray.is_initialized()
     started = time.monotonic()
     with loopback_only() if local else contextlib.nullcontext():
         try:
-            if address:
-                ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+            if target is not None:
+                reach(target, options.connect_timeout_s)
+                with bounded(target, options.connect_timeout_s):
+                    ray.init(address=target.text.strip(), namespace=NAMESPACE, log_to_driver=False)
             elif local:
                 # Local mode: this process is the head box, so OUT can be checked before a cluster is started.
                 probe_writable(Path(options.out_dir))
@@ -122,6 +125,15 @@ def run_sweep(spec: SweepSpec, options: RunOptions, *, address: str | None = Non
         finally:
             if owns_ray:
                 ray.shutdown()
+
+
+def cluster_address(address: str | None) -> Address | None:
+    """The cluster to join: ``--address``, else ``$RAY_ADDRESS`` (set by ``ray job submit``), parsed; None for
+    local mode (neither given, or ``local``)."""
+    source, text = ("--address", address) if address else ("RAY_ADDRESS", os.environ.get("RAY_ADDRESS"))
+    if text is None or (source == "RAY_ADDRESS" and not text.strip()) or text.strip() == "local":
+        return None
+    return parse_address(text, source)
 
 
 def _stopped_early(options: RunOptions, stop: SweepInterrupted, wall_s: float) -> Outcome:

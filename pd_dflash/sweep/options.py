@@ -6,6 +6,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
+from pd_dflash.sweep.connect import DEFAULT_CONNECT_TIMEOUT_S
 from pd_dflash.sweep.resume import Mode
 
 
@@ -19,6 +20,8 @@ class RunOptions:
     #: A model load (runner start included) running longer is killed and counted as a load failure.
     load_timeout_s: float = 3600.0
     preflight_timeout_s: float = 180.0
+    #: How long a cluster address (--address, $RAY_ADDRESS) may take to answer and let the driver join.
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     #: None: a bar on a terminal, log lines otherwise; False: log lines.
     progress: bool | None = None
     #: Calls kept on a runner: the running one plus one queued behind it (hides the dispatch round trip).
