@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError, RaySystemError
 
 from pd_dflash.engine import registry
 from pd_dflash.engine.registry import EngineTraits
@@ -21,7 +23,7 @@ from pd_dflash.schema import FAILED_STATUSES, Row, Status
 from pd_dflash.spec import SweepSpec, expand
 from pd_dflash.sweep import preflight
 from pd_dflash.sweep.health import Health
-from pd_dflash.sweep.options import Outcome, RunOptions, SweepInterrupted
+from pd_dflash.sweep.options import ClusterLost, Outcome, RunOptions, SweepInterrupted
 from pd_dflash.sweep.pool import (
     CellDone,
     CellFailed,
@@ -65,6 +67,8 @@ class SweepDriver:
         #: The engine's traits as preflight found them on a box (the driver never imports the engine).
         self.traits: EngineTraits | None = None
         self._shown_at = 0.0
+        #: What killed the cluster under the sweep, or None while it lives (``lost.LocalWatch`` in local mode).
+        self.cluster_lost: Callable[[], str | None] = lambda: None
 
     def _event(self, message: str) -> None:
         self.progress.event(message)
@@ -208,6 +212,9 @@ class SweepDriver:
     def _loop(self) -> None:
         """Run until every cell has a row, no box is left, or the collector cannot store any more."""
         while not self.sink.storage_error:
+            lost = self.cluster_lost()
+            if lost:
+                raise ClusterLost(lost)
             self.health.refresh()
             self._fill()
             if not self.pool.in_flight():
@@ -250,7 +257,24 @@ class SweepDriver:
         )
 
     def run(self) -> Outcome:
+        """Preflight, plan, the loop, the summary. Raises ``ClusterLost`` when the cluster dies under it."""
         started = time.monotonic()
+        try:
+            return self._run(started)
+        except ClusterLost as lost:
+            lost.cells_run, lost.wall_s = self.sink.finished, time.monotonic() - started
+            raise
+        except (ActorDiedError, RaySystemError, ConnectionError) as exc:
+            # In local mode the watch says whether the cluster died; on a cluster, Ray's own word that an actor
+            # died with its node or owner (the collector restarts otherwise) or that the system failed.
+            cause = self.cluster_lost() if self.local else cause_line(exc)
+            if cause is None:
+                raise
+            raise ClusterLost(
+                cause, cells_run=self.sink.finished, wall_s=time.monotonic() - started
+            ) from None
+
+    def _run(self, started: float) -> Outcome:
         self.preflight()
         stored = self.sink.open(self.opts.out_dir, self.opts.mode, self.boxes, self.opts.recorded())
         stop: SweepInterrupted | None = None
@@ -268,8 +292,9 @@ class SweepDriver:
             self.sink.log("interrupted", signal=exc.name)
         finally:
             loop_finished = time.time()
-            for slot in self.pool.slots:
-                self.health.stop_runner(slot)
+            if self.cluster_lost() is None:  # a dead cluster's runners are gone, their results with them
+                for slot in self.pool.slots:
+                    self.health.stop_runner(slot)
             self.progress.close()
         self.sink.drain(10.0 if stop else 60.0)
         wall = time.monotonic() - started

@@ -52,6 +52,17 @@ class SweepInterrupted(BaseException):
         self.name = signal.Signals(signum).name
 
 
+class ClusterLost(Exception):
+    """The Ray cluster the sweep runs on died under it (the local raylet or GCS, or the connection to a cluster):
+    the collector died with it, so the driver stops without the collector's help (``lost.py``)."""
+
+    def __init__(self, cause: str, *, cells_run: int = 0, wall_s: float = 0.0) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.cells_run = cells_run
+        self.wall_s = wall_s
+
+
 @dataclass
 class Outcome:
     exit_code: int
@@ -63,7 +74,7 @@ class Outcome:
     loads: int
     wall_s: float
     out_of_rotation: list[dict[str, Any]]
-    #: finished, no_box_left, storage_failed or interrupted (also in sweep.json).
+    #: finished, no_box_left, storage_failed, interrupted or cluster_lost (also in sweep.json).
     outcome: str = "finished"
     #: What stopped the sweep early: the signal's name, or the storage failure; None otherwise.
     stopped: str | None = None

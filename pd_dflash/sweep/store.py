@@ -108,10 +108,13 @@ class SweepStore:
         return self.out_dir / ROWS_FILE
 
     # opening ---------------------------------------------------------------------------------------------
-    def open(self, *, run_info: dict[str, Any] | None = None, new_run: bool = True) -> dict[str, Any]:
+    def open(
+        self, *, run_info: dict[str, Any] | None = None, new_run: bool = True, count_restart: bool = True
+    ) -> dict[str, Any]:
         """Lock OUT, check or archive what it holds, repair what a crash left, load the rows, record this run.
 
-        ``new_run=False`` reopens for the same run (a restarted collector): the run record is continued.
+        ``new_run=False`` reopens for the same run: the run record is continued (a restarted collector is
+        counted in it, unless ``count_restart=False``: the driver recording a lost cluster).
         """
         probe_writable(self.out_dir)
         self._lock()
@@ -125,7 +128,7 @@ class SweepStore:
             set_aside = self._set_aside_refused()
             events = repair_tail(self.out_dir / EVENTS_FILE)
             self._rows_stat = self._stat_rows()
-            self._start_record(run_info or {}, new_run=new_run)
+            self._start_record(run_info or {}, new_run=new_run, count_restart=count_restart)
             for entry in set_aside:
                 self.add_event({"event": "row_set_aside", **entry})
         except BaseException:
@@ -284,12 +287,13 @@ class SweepStore:
             raise StorageError(self.broken) from None
 
     # the record (sweep.json) -----------------------------------------------------------------------------
-    def _start_record(self, run_info: dict[str, Any], *, new_run: bool) -> None:
+    def _start_record(self, run_info: dict[str, Any], *, new_run: bool, count_restart: bool = True) -> None:
         previous = read_sweep_json(self.out_dir / SWEEP_FILE)
         if not new_run and previous is not None and previous.get("runs"):
             self.record = previous
             run = self.record["runs"][-1]
-            run["collector_restarts"] = run.get("collector_restarts", 0) + 1
+            if count_restart:
+                run["collector_restarts"] = run.get("collector_restarts", 0) + 1
             self._flush_record()
             return
         keep_history = previous is not None and previous.get("fingerprint") == self.spec.fingerprint()
