@@ -300,6 +300,8 @@ class SweepDriver:
         wall = time.monotonic() - started
         unrun = max(0, self.todo - self.sink.finished)
         summary = self.sink.finish(self._run_record(wall, unrun, stop), self.opts.plots and stop is None)
+        if summary["storage_error"] and not self.sink.storage_error:  # noticed at the end (rows.jsonl gone)
+            self.sink.storage_error = summary["storage_error"]
         exit_code = self._summarise(summary, wall, unrun, stop)
         return Outcome(
             exit_code=exit_code,

@@ -37,15 +37,15 @@ def write_matrix_set(
         out_dir / f".matrices.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     )  # removed at open if a crash left it
     try:
-        stage.mkdir(mode=0o750)
         try:
+            stage.mkdir(mode=0o750)
             verdict = write_outputs(rows, stage, spec.gates, plots=plots, spec=spec)
+            staged = sorted(p.relative_to(stage) for p in stage.rglob("*") if p.is_file())
+            for name in staged:  # renames need no space: once every file is written, the set goes in whole
+                (out_dir / name).parent.mkdir(mode=0o750, exist_ok=True)
+                os.replace(stage / name, out_dir / name)
         except OSError as exc:
             raise _failed(exc, stage, out_dir) from None
-        staged = sorted(p.relative_to(stage) for p in stage.rglob("*") if p.is_file())
-        for name in staged:
-            (out_dir / name).parent.mkdir(mode=0o750, exist_ok=True)
-            os.replace(stage / name, out_dir / name)
         for folder in {(out_dir / name).parent for name in staged}:
             _fsync_dir(folder)
         return verdict
@@ -61,6 +61,8 @@ def _failed(exc: OSError, stage: Path, out_dir: Path) -> MatrixWriteError:
         if name.name.startswith(".") and ".tmp-" in name.name:  # the atomic write's temporary file
             name = name.with_name(name.name[1:].split(".tmp-")[0])
         where = out_dir / name
+    elif where == stage:
+        where = None  # the staging directory itself could not be made
     removed = remove_matrices(out_dir)
     what = f" (removed the previous {', '.join(removed)})" if removed else ""
     return MatrixWriteError(
