@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", required=True, type=_directory, help="results directory (absolute on a cluster's head box)"
     )
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local cluster)")
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=30.0,
+        help="seconds the cluster address may take to answer before the run is refused (default 30)",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="skip cells already stored in OUT (default)")
     mode.add_argument(

@@ -84,10 +84,20 @@ def write_outputs(
     out = Path(out_dir)
     for name in ("result_matrix.json", *files):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "result_matrix.json", lambda fh: write_matrix_json(matrix, fh))
+    _write_named(out / "result_matrix.json", lambda fh: write_matrix_json(matrix, fh))
     for name, content in files.items():
-        write_atomic(out / name, content)
+        _write_named(out / name, content)
     return verdict
+
+
+def _write_named(path: Path, content: Any) -> None:
+    """``write_atomic``, with an OSError naming the file it was writing (a full disk's error names none)."""
+    try:
+        write_atomic(path, content)
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(path)
+        raise
 
 
 # -- inputs ---------------------------------------------------------------------------------------------------

@@ -19,8 +19,12 @@ def options_from_args(args: argparse.Namespace):
     timeout = args.cell_timeout
     if timeout is not None and (not math.isfinite(timeout) or timeout <= 0):
         raise InputError(f"must be a positive number of seconds, got {timeout}", where="--cell-timeout")
+    connect = args.connect_timeout
+    if not math.isfinite(connect) or connect <= 0:
+        raise InputError(f"must be a positive number of seconds, got {connect}", where="--connect-timeout")
     mode = Mode.RESTART if args.restart else Mode.RETRY_ERRORS if args.retry_errors else Mode.RESUME
     options = RunOptions(out_dir=args.out, mode=mode, max_attempts=args.max_attempts)
+    options.connect_timeout_s = connect
     if timeout is not None:
         options.cell_timeout_s = timeout
     if args.no_progress:

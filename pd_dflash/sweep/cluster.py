@@ -5,8 +5,9 @@
 - **Local mode**: a real single-node Ray cluster with fake GPUs (Ray's own ``local_mode`` no longer exists), bound
   to the loopback interface: Ray listens on every interface unless it believes it is not a cluster, which
   ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` tells it (GCS, raylet, workers and agents then bind to 127.0.0.1).
-- **Stops**: SIGINT and SIGTERM raise ``SweepInterrupted`` in the driver, which stops the runners and writes what
-  is stored (exit 130 / 143); a second signal while it does so is ignored.
+- **Stops**: SIGINT, SIGTERM and SIGHUP (an ssh session that drops) raise ``SweepInterrupted`` in the driver,
+  which stops the runners and writes what is stored (exit 130 / 143 / 129); a second signal while it does so is
+  ignored. A driver started under ``nohup`` (SIGHUP ignored) keeps ignoring the hangup and finishes the sweep.
 """
 
 from __future__ import annotations
@@ -27,14 +28,16 @@ from ray._private import ray_constants
 from pd_dflash.spec import SweepSpec
 from pd_dflash.spec_inputs import check_local_start
 from pd_dflash.sweep import preflight
+from pd_dflash.sweep.connect import Address, bounded, parse_address, reach
 from pd_dflash.sweep.driver import SweepDriver
-from pd_dflash.sweep.options import Outcome, RunOptions, SweepInterrupted
+from pd_dflash.sweep.lost import LocalWatch, lost_outcome
+from pd_dflash.sweep.options import ClusterLost, Outcome, RunOptions, SweepInterrupted
 from pd_dflash.sweep.resume import check_resumable, probe_writable
 from pd_dflash.sweep.sink import NAMESPACE
 
 #: Ray's switch for "this is a multi-machine cluster"; off, every Ray process binds to the loopback interface.
 CLUSTER_SWITCH_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def local_cluster_args(spec: SweepSpec) -> dict[str, Any]:
@@ -86,11 +89,15 @@ def stop_on_signals() -> Iterator[None]:
         print(f"pd-dflash run: {signal.Signals(signum).name} again: already stopping", file=sys.stderr)
 
     def interrupt(signum: int, _frame: Any) -> None:
-        for s in STOP_SIGNALS:
+        for s in handled:
             signal.signal(s, ignore)
+        if signum == signal.SIGHUP:
+            _detach_from_lost_terminal()
         raise SweepInterrupted(signum)
 
-    previous = {s: signal.signal(s, interrupt) for s in STOP_SIGNALS}
+    # nohup (SIGHUP ignored when the driver starts) asks to outlive the terminal: the sweep then finishes.
+    handled = [s for s in STOP_SIGNALS if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN)]
+    previous = {s: signal.signal(s, interrupt) for s in handled}
     try:
         yield
     finally:
@@ -98,17 +105,30 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+def _detach_from_lost_terminal() -> None:
+    """After a hangup the terminal is gone and writing to it fails (EIO): point stdout/stderr that were a
+    terminal at /dev/null, so the stop goes on as after SIGTERM (its lines are in sweep.json and events.jsonl)."""
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if os.isatty(fd):
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
+
+
 def run_sweep(spec: SweepSpec, options: RunOptions, *, address: str | None = None) -> Outcome:
     """Run a sweep: join ``address`` (or $RAY_ADDRESS, or an already connected Ray), else start local mode."""
     options.out_dir = os.path.abspath(options.out_dir)
-    address = None if ray.is_initialized() else address or os.environ.get("RAY_ADDRESS")
-    local = not ray.is_initialized() and not address
+    target = None if ray.is_initialized() else cluster_address(address)
+    local = not ray.is_initialized() and target is None
     owns_ray = not ray.is_initialized()
     started = time.monotonic()
     with loopback_only() if local else contextlib.nullcontext():
         try:
-            if address:
-                ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+            if target is not None:
+                reach(target, options.connect_timeout_s)
+                with bounded(target, options.connect_timeout_s):
+                    ray.init(address=target.text.strip(), namespace=NAMESPACE, log_to_driver=False)
             elif local:
                 # Local mode: this process is the head box, so OUT can be checked before a cluster is started.
                 probe_writable(Path(options.out_dir))
@@ -116,14 +136,31 @@ def run_sweep(spec: SweepSpec, options: RunOptions, *, address: str | None = Non
                 check_local_start(spec)  # a named error, not Ray's ValueError about its memory
                 # address="local": always start our own cluster, never join one another process left running.
                 ray.init(address="local", **local_cluster_args(spec))
+            watch = LocalWatch(ray._private.worker._global_node) if local else None
             with stop_on_signals():  # after ray.init, which installs a SIGTERM handler of its own
                 try:
-                    return SweepDriver(spec, options, local=local).run()
+                    driver = SweepDriver(spec, options, local=local)
+                    if watch is not None:
+                        driver.cluster_lost = watch.lost
+                    return driver.run()
                 except SweepInterrupted as stop:  # outside the driver's loop: nothing (more) to write
                     return _stopped_early(options, stop, time.monotonic() - started)
+                except ClusterLost as lost:
+                    if watch is not None:
+                        watch.stop()  # what is left of it, so the dead collector's lock on OUT is released
+                    return lost_outcome(spec, options, lost, local=local)
         finally:
             if owns_ray:
                 ray.shutdown()
+
+
+def cluster_address(address: str | None) -> Address | None:
+    """The cluster to join: ``--address``, else ``$RAY_ADDRESS`` (set by ``ray job submit``), parsed; None for
+    local mode (neither given, or ``local``)."""
+    source, text = ("--address", address) if address else ("RAY_ADDRESS", os.environ.get("RAY_ADDRESS"))
+    if text is None or (source == "RAY_ADDRESS" and not text.strip()) or text.strip() == "local":
+        return None
+    return parse_address(text, source)
 
 
 def _stopped_early(options: RunOptions, stop: SweepInterrupted, wall_s: float) -> Outcome:

@@ -89,10 +89,11 @@ class Collector:
             self._write_matrices(plots=False)
         return stored
 
-    def event(self, event: dict[str, Any]) -> None:
-        """Append an event (runner death, requeue, timeout, ...) to events.jsonl. Raises ``StorageError``."""
+    def event(self, event: dict[str, Any]) -> str | None:
+        """Append an event (runner death, requeue, timeout, ...) to events.jsonl; returns what was repaired
+        there (a torn last line moved aside), else None. Raises ``StorageError``."""
         self._ensure_open()
-        self.store.add_event(redact(event, self.env))
+        return self.store.add_event(redact(event, self.env))
 
     def update_run(self, patch: dict[str, Any]) -> None:
         self._ensure_open()
@@ -114,6 +115,8 @@ class Collector:
     def finish(self, patch: dict[str, Any], plots: bool = True) -> dict[str, Any]:
         """Write the final matrices, record the run's outcome, release OUT (as far as OUT can be written)."""
         self._ensure_open()
+        with contextlib.suppress(StorageError):  # rows.jsonl still the file the rows went to? (store.broken)
+            self.store.check_rows_file()
         outputs = None if self.store.broken else self._write_matrices(plots=plots)
         with contextlib.suppress(StorageError):  # store.broken says why; the driver reports it
             self.store.update_run({**patch, "finished_at_collector": True})

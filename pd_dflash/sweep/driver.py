@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError, RaySystemError
 
 from pd_dflash.engine import registry
 from pd_dflash.engine.registry import EngineTraits
@@ -21,7 +23,7 @@ from pd_dflash.schema import FAILED_STATUSES, Row, Status
 from pd_dflash.spec import SweepSpec, expand
 from pd_dflash.sweep import preflight
 from pd_dflash.sweep.health import Health
-from pd_dflash.sweep.options import Outcome, RunOptions, SweepInterrupted
+from pd_dflash.sweep.options import ClusterLost, Outcome, RunOptions, SweepInterrupted
 from pd_dflash.sweep.placement import Estimator, Placement, Task, load_key
 from pd_dflash.sweep.pool import (
     CellDone,
@@ -65,6 +67,8 @@ class SweepDriver:
         #: The engine's traits as preflight found them on a box (the driver never imports the engine).
         self.traits: EngineTraits | None = None
         self._shown_at = 0.0
+        #: What killed the cluster under the sweep, or None while it lives (``lost.LocalWatch`` in local mode).
+        self.cluster_lost: Callable[[], str | None] = lambda: None
 
     def _event(self, message: str) -> None:
         self.progress.event(message)
@@ -208,6 +212,9 @@ class SweepDriver:
     def _loop(self) -> None:
         """Run until every cell has a row, no box is left, or the collector cannot store any more."""
         while not self.sink.storage_error:
+            lost = self.cluster_lost()
+            if lost:
+                raise ClusterLost(lost)
             self.health.refresh()
             self._fill()
             if not self.pool.in_flight():
@@ -250,7 +257,24 @@ class SweepDriver:
         )
 
     def run(self) -> Outcome:
+        """Preflight, plan, the loop, the summary. Raises ``ClusterLost`` when the cluster dies under it."""
         started = time.monotonic()
+        try:
+            return self._run(started)
+        except ClusterLost as lost:
+            lost.cells_run, lost.wall_s = self.sink.finished, time.monotonic() - started
+            raise
+        except (ActorDiedError, RaySystemError, ConnectionError) as exc:
+            # In local mode the watch says whether the cluster died; on a cluster, Ray's own word that an actor
+            # died with its node or owner (the collector restarts otherwise) or that the system failed.
+            cause = self.cluster_lost() if self.local else cause_line(exc)
+            if cause is None:
+                raise
+            raise ClusterLost(
+                cause, cells_run=self.sink.finished, wall_s=time.monotonic() - started
+            ) from None
+
+    def _run(self, started: float) -> Outcome:
         self.preflight()
         stored = self.sink.open(self.opts.out_dir, self.opts.mode, self.boxes, self.opts.recorded())
         stop: SweepInterrupted | None = None
@@ -268,13 +292,16 @@ class SweepDriver:
             self.sink.log("interrupted", signal=exc.name)
         finally:
             loop_finished = time.time()
-            for slot in self.pool.slots:
-                self.health.stop_runner(slot)
+            if self.cluster_lost() is None:  # a dead cluster's runners are gone, their results with them
+                for slot in self.pool.slots:
+                    self.health.stop_runner(slot)
             self.progress.close()
         self.sink.drain(10.0 if stop else 60.0)
         wall = time.monotonic() - started
         unrun = max(0, self.todo - self.sink.finished)
         summary = self.sink.finish(self._run_record(wall, unrun, stop), self.opts.plots and stop is None)
+        if summary["storage_error"] and not self.sink.storage_error:  # noticed at the end (rows.jsonl gone)
+            self.sink.storage_error = summary["storage_error"]
         exit_code = self._summarise(summary, wall, unrun, stop)
         return Outcome(
             exit_code=exit_code,
@@ -328,6 +355,12 @@ class SweepDriver:
             self._event(f"writing the result matrices failed: {err.splitlines()[0]}")
         statuses = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k not in ("stored", "total"))
         out = self.opts.out_dir
+        if summary["storage_error"]:  # the counts are what the store believed: no summary of them
+            self._event(
+                f"sweep {self.spec.name}: stopped after {format_duration(wall)}: {summary['storage_error']}. "
+                "Nothing more was stored; fix the cause and rerun with the same --out to resume"
+            )
+            return 1
         self._event(
             f"sweep {self.spec.name}: {counts['stored']}/{counts['total']} cells stored ({statuses}) in "
             f"{format_duration(wall)}; {self.pool.loads} model loads; rows in {out}/{ROWS_FILE}"
@@ -340,12 +373,6 @@ class SweepDriver:
         if stop is not None:
             self._event(f"stopped by {stop.name}: {unrun} cells not run; rerun with the same --out to resume")
             return 128 + stop.signum
-        if summary["storage_error"]:
-            self._event(
-                f"stopped: {summary['storage_error']}. Stored rows are intact; free the space (or fix the disk) "
-                "and rerun with the same --out to resume"
-            )
-            return 1
         if unrun:
             self._event(f"{unrun} cells not run: no box left in rotation (rerun to resume them)")
         complete = counts["stored"] == counts["total"]

@@ -6,6 +6,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
+from pd_dflash.sweep.connect import DEFAULT_CONNECT_TIMEOUT_S
 from pd_dflash.sweep.resume import Mode
 
 
@@ -19,6 +20,8 @@ class RunOptions:
     #: A model load (runner start included) running longer is killed and counted as a load failure.
     load_timeout_s: float = 3600.0
     preflight_timeout_s: float = 180.0
+    #: How long a cluster address (--address, $RAY_ADDRESS) may take to answer and let the driver join.
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     #: None: a bar on a terminal, log lines otherwise; False: log lines.
     progress: bool | None = None
     #: Calls kept on a runner: the running one plus one queued behind it (hides the dispatch round trip).
@@ -49,6 +52,17 @@ class SweepInterrupted(BaseException):
         self.name = signal.Signals(signum).name
 
 
+class ClusterLost(Exception):
+    """The Ray cluster the sweep runs on died under it (the local raylet or GCS, or the connection to a cluster):
+    the collector died with it, so the driver stops without the collector's help (``lost.py``)."""
+
+    def __init__(self, cause: str, *, cells_run: int = 0, wall_s: float = 0.0) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.cells_run = cells_run
+        self.wall_s = wall_s
+
+
 @dataclass
 class Outcome:
     exit_code: int
@@ -60,7 +74,7 @@ class Outcome:
     loads: int
     wall_s: float
     out_of_rotation: list[dict[str, Any]]
-    #: finished, no_box_left, storage_failed or interrupted (also in sweep.json).
+    #: finished, no_box_left, storage_failed, interrupted or cluster_lost (also in sweep.json).
     outcome: str = "finished"
     #: What stopped the sweep early: the signal's name, or the storage failure; None otherwise.
     stopped: str | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import TextIO
@@ -37,8 +38,11 @@ class Progress:
         self._drawn = False
 
     def _write(self, text: str) -> None:
-        self.stream.write(text)
-        self.stream.flush()
+        # A log that can no longer be written (a dropped terminal, a closed pipe) must not stop a sweep: its
+        # results and events go to OUT regardless.
+        with contextlib.suppress(OSError, ValueError):
+            self.stream.write(text)
+            self.stream.flush()
 
     def event(self, message: str) -> None:
         stamp = time.strftime("%H:%M:%S")

@@ -4,6 +4,11 @@ Which row stands for a cell (the *current* row): a row with a final status (ever
 TIMEOUT) is never superseded; otherwise the last stored row of the cell is current. ``--retry-errors`` therefore
 appends a new attempt after an ERROR/TIMEOUT row instead of deleting it, and every reader of a sweep directory
 (the collector's matrices, ``current_rows``) sees exactly one row per cell.
+
+Which stored rows a resume trusts is what ``pd-dflash report`` accepts (``rows_to_set_aside``): a row must belong
+to its cell (identity, drafter and covered block sizes those of its cell id), and a cell's rows must pass the
+report's own duplicate check (``report.aggregate.place_rows``). The others are set aside by the store and their
+cells measured again.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_dflash.errors import InputError
-from pd_dflash.rows import ROWS_FILE, read_rows
+from pd_dflash.rows import ROWS_FILE, RowSource, read_rows
 from pd_dflash.schema import FINAL_STATUSES, Row, Status
 from pd_dflash.spec import Cell, SweepSpec, expand
 
@@ -59,6 +64,54 @@ def current_rows_of(out_dir: str | Path) -> list[Row]:
         return []
     rows, _ = read_rows(path, tolerate_torn_tail=True)
     return current_rows(rows)
+
+
+def row_mismatch(row: Row, cell: Cell) -> str | None:
+    """Why ``row`` cannot be the row of ``cell`` (its cell id), or None: the identity, the drafter and the block
+    sizes it covers are what the cell id measures. The collector refuses such a row; resume sets it aside."""
+    if row.identity != cell.identity:
+        return f"row identity {row.identity} does not match cell {cell.cell_id} {cell.identity}"
+    if row.draft != cell.draft:
+        return f"row draft {row.draft!r} does not match cell {cell.cell_id} draft {cell.draft!r}"
+    covered = tuple(sorted(set(row.block_sizes_covered or [row.block_size])))
+    if covered != tuple(sorted(set(cell.block_sizes_covered))):
+        return (
+            f"row block_sizes_covered {list(covered)} does not match cell {cell.cell_id} "
+            f"{list(cell.block_sizes_covered)}"
+        )
+    return None
+
+
+def rows_to_set_aside(rows: list[tuple[Row, RowSource]], cells: dict[str, Cell]) -> dict[int, str]:
+    """{index in ``rows``: why} for every stored row ``pd-dflash report`` would refuse or that is not its cell's.
+
+    A row that disagrees with its cell id goes; then each cell's remaining rows go through the report's own
+    duplicate check (``place_rows``: a final row followed by another row of its identity is a duplicate) and a
+    cell it refuses loses all its rows (which of two final rows is genuine cannot be known), so it is measured
+    again. Rows of cells outside the spec are ``check_resumable``'s to refuse.
+    """
+    from pd_dflash.report.aggregate import place_rows
+    from pd_dflash.report.brief import brief_of
+
+    why: dict[int, str] = {}
+    by_cell: dict[str, list[int]] = {}
+    for i, (row, _) in enumerate(rows):
+        cell = cells.get(row.cell_id or "")
+        if cell is None:
+            continue
+        mismatch = row_mismatch(row, cell)
+        if mismatch:
+            why[i] = mismatch
+        else:
+            by_cell.setdefault(cell.cell_id, []).append(i)
+    for members in by_cell.values():
+        if len(members) < 2:
+            continue
+        try:
+            place_rows([brief_of(rows[i][0]) for i in members], [rows[i][1].label for i in members])
+        except InputError as exc:
+            why.update({i: str(exc) for i in members})
+    return why
 
 
 @dataclass(frozen=True)

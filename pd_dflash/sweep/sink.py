@@ -34,6 +34,8 @@ from pd_dflash.sweep.resume import Mode, StoredCell
 from pd_dflash.sweep.store import StorageError, utc_now
 
 NAMESPACE = "pd-dflash"
+#: Rows set aside on resume that are named one by one in the log (events.jsonl lists every one).
+SHOWN_SET_ASIDE = 10
 
 
 @dataclass
@@ -94,10 +96,25 @@ class Sink:
             self._event(f"--restart: previous contents archived to {opened['archived']}")
         if opened["torn_tail_moved_to"]:
             self._event(f"repaired a torn last line of {ROWS_FILE} (kept in {opened['torn_tail_moved_to']})")
+        if opened["events_repaired"]:
+            self._event(f"repaired events.jsonl: {opened['events_repaired']}")
+        if opened["set_aside"]:
+            self._say_set_aside(opened["set_aside"], opened["set_aside_to"])
         if opened["removed_stale_files"]:
             files = ", ".join(opened["removed_stale_files"])
             self._event(f"removed temporary files an interrupted write left: {files}")
         return {k: StoredCell(Status(s), a) for k, (s, a) in opened["stored"].items()}
+
+    def _say_set_aside(self, entries: list[dict[str, Any]], where: str) -> None:
+        cells = len({e["cell_id"] for e in entries})
+        self._event(
+            f"set aside {len(entries)} stored rows that `pd-dflash report` would refuse (kept in {where}); "
+            f"their {cells} cells are measured again:"
+        )
+        for entry in entries[:SHOWN_SET_ASIDE]:
+            self._event(f"  {ROWS_FILE} line {entry['line']} (cell {entry['cell_id']}): {entry['reason']}")
+        if len(entries) > SHOWN_SET_ASIDE:
+            self._event(f"  ... and {len(entries) - SHOWN_SET_ASIDE} more (events.jsonl lists each)")
 
     def _start_collector(
         self, out_dir: str, mode: Mode, run_info: dict[str, Any], options: dict[str, Any]
@@ -165,7 +182,9 @@ class Sink:
         done, self.adds = ray.wait(self.adds, num_returns=len(self.adds), timeout=0)
         for ref in done:
             try:
-                ray.get(ref)
+                said = ray.get(ref)
+                if isinstance(said, str):  # an event call that repaired events.jsonl first
+                    self._event(said)
             except StorageError as exc:
                 if self.storage_error is None:
                     self.storage_error = str(getattr(exc, "cause", exc))

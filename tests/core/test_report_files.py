@@ -75,7 +75,9 @@ def test_effective_gates_widen_the_spec_with_the_command_line():
     assert effective_gates(None) == Gates()
     with pytest.raises(InputError) as err:
         effective_gates(None, ["B9"])
-    assert str(err.value) == "--allow-blocked: unknown baseline 'B9'; use one of B0, B1, B2, B3, OURS, RA, AR2D"
+    assert (
+        str(err.value) == "--allow-blocked: unknown baseline 'B9'; use one of B0, B1, B2, B3, OURS, RA, AR2D"
+    )
     with pytest.raises(InputError) as err:
         effective_gates(None, allow_unmeasured=["vibes"])
     assert str(err.value).startswith("--allow-unmeasured: ") and "unknown metric 'vibes'" in str(err.value)

@@ -1,7 +1,8 @@
 """Local mode (`pd-dflash run` starts its own single-node Ray cluster) stopped by SIGINT or SIGTERM mid-sweep:
 the runners stop, sweep.json records the stored count and the outcome `interrupted`, the matrices are written
 from the rows stored so far, the exit status is 130 / 143, and nothing prints a stack dump. While it runs, every
-Ray process of the local cluster listens on the loopback interface only."""
+Ray process of the local cluster listens on the loopback interface only. SIGHUP (an ssh session that drops) stops
+it exactly as SIGTERM does (exit 129)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def stored(out: Path) -> list:
 
 
 @pytest.mark.parametrize(
-    ("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"]
+    ("sig", "code"),
+    [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)],
+    ids=["SIGINT", "SIGTERM", "SIGHUP"],
 )
 def test_a_signal_stops_the_sweep_cleanly_and_records_what_is_stored(tmp_path, ray_tmp, sig, code):
     data = spec_data(
