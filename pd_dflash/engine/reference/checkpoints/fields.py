@@ -43,7 +43,7 @@ class TargetConfigFields(BaseModel):
     architectures: Annotated[list[str], Field(min_length=1)] | None = None
     model_type: str | None = None
     hidden_size: Positive | None = None
-    num_hidden_layers: Positive | None = None
+    num_hidden_layers: NonNegative | None = None
     num_experts: NonNegative | None = None
     num_local_experts: NonNegative | None = None
     num_experts_per_tok: Positive | None = None
