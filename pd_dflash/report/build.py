@@ -17,7 +17,9 @@ from pydantic import ValidationError
 
 from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.report.aggregate import Matrix, build_matrix
+from pd_dflash.report.basis import verdict_basis, verdict_line
 from pd_dflash.report.brief import RowBrief, brief_of
+from pd_dflash.report.confidence import confidence_verdict
 from pd_dflash.report.gates import Expectations, evaluate, overall
 from pd_dflash.report.matrix_json import matrix_json, write_matrix_json
 from pd_dflash.report.render import dumps, matrix_csv, matrix_markdown
@@ -34,15 +36,33 @@ def _evaluate(
     sources: Sequence[str] | None,
     plots: bool,
 ) -> tuple[Matrix, dict[str, Any], dict[str, str | bytes]]:
-    """The matrix, the verdict, and every output but result_matrix.json (whose size grows with the rows)."""
+    """The matrix, the verdict, and every output but result_matrix.json (whose size grows with the rows).
+
+    The verdict holds upstream's mean-based evaluation (``overall``, unchanged in meaning), the confidence-aware
+    one beside it (``confidence``, per group under ``groups[key]["confidence"]``) and what both rest on
+    (``basis``); ``overall["line"]`` states all three, ``overall["line_on_means"]`` the mean-based part alone.
+    """
     matrix = build_matrix(rows, sources)
     details = evaluate(matrix, gates, Expectations.infer(matrix, spec))
     summary = overall(details)
+    confidence = confidence_verdict(matrix, details, gates)
+    basis = verdict_basis(matrix)
+    summary["line_on_means"] = summary["line"]
+    summary["line"] = verdict_line(summary, confidence, basis)
     ok = bool(details) and all(d["complete"] and d["valid"] for d in details.values())
-    verdict = {"groups": details, "overall": summary, "complete": ok, "exit_code": 0 if ok else 1}
+    verdict = {
+        "groups": details,
+        "overall": summary,
+        "confidence": confidence,
+        "basis": basis,
+        "complete": ok,
+        "exit_code": 0 if ok else 1,
+    }
     files: dict[str, str | bytes] = {
         "result_matrix.csv": matrix_csv(matrix),
-        "result_matrix.md": matrix_markdown(matrix, details, summary, gates),
+        "result_matrix.md": matrix_markdown(
+            matrix, details, summary, gates, confidence=confidence, basis=basis
+        ),
         "verdict.json": dumps(verdict),
     }
     if plots:
