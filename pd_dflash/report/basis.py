@@ -19,6 +19,10 @@ PIPELINE_CHECK = "pipeline check, not a hardware verdict"
 UNRECORDED = "not recorded"
 
 
+def _rows(n: int) -> str:
+    return f"{n} row{'s' if n != 1 else ''}"
+
+
 def _is_cpu(device: str) -> bool:
     return device == "cpu" or device.startswith("cpu:")
 
@@ -39,13 +43,14 @@ def verdict_basis(matrix: Matrix) -> dict[str, Any]:
                 seen.add(p.row.identity)
                 terms = p.row.cost_terms or {}
                 links[terms.get("h2d_link") or UNRECORDED] += 1
-                sources[terms.get("h2d_bandwidth_source") or UNRECORDED] += 1
+                if terms.get("h2d_link") != "none":  # every expert resident: no bandwidth to measure
+                    sources[terms.get("h2d_bandwidth_source") or UNRECORDED] += 1
                 devices[p.row.device or UNRECORDED] += 1
                 if terms.get("h2d_link") == "emulated" and terms.get("emulated_h2d_gbps") is not None:
                     gbps.add(float(terms["emulated_h2d_gbps"]))
     repeats = {key: _group_repeats(matrix, key) for key in matrix.groups}
-    reasons = [f"{link} link ({n} rows)" for link, n in sorted(links.items()) if link in NOT_HARDWARE_LINKS]
-    reasons += [f"{d} device ({n} rows)" for d, n in sorted(devices.items()) if _is_cpu(d)]
+    reasons = [f"{link} link ({_rows(n)})" for link, n in sorted(links.items()) if link in NOT_HARDWARE_LINKS]
+    reasons += [f"{d} device ({_rows(n)})" for d, n in sorted(devices.items()) if _is_cpu(d)]
     unknown = UNRECORDED in links or UNRECORDED in devices
     return {
         #: True only when every measured row names a device link (or none: all resident) and a non-CPU device.
@@ -72,13 +77,15 @@ def _group_repeats(matrix: Matrix, key: str) -> int:
 def _counted(counts: dict[str, int]) -> str:
     if len(counts) == 1:
         return next(iter(counts))
-    return ", ".join(f"{k} ({n} rows)" for k, n in counts.items())
+    return ", ".join(f"{k} ({_rows(n)})" for k, n in counts.items())
 
 
 def _link_text(basis: dict[str, Any]) -> str:
     gbps = "/".join(f"{g:g}" for g in basis["emulated_h2d_gbps"])
 
     def name(link: str) -> str:
+        if link == "none":
+            return "none (all experts resident)"
         return f"emulated {gbps} GB/s" if link == "emulated" and gbps else link
 
     links = basis["h2d_link"]
@@ -86,7 +93,7 @@ def _link_text(basis: dict[str, Any]) -> str:
         return "link not recorded"
     if len(links) == 1:
         return f"{name(next(iter(links)))} link"
-    return "links " + ", ".join(f"{name(k)} ({n} rows)" for k, n in links.items())
+    return "links " + ", ".join(f"{name(k)} ({_rows(n)})" for k, n in links.items())
 
 
 def basis_text(basis: dict[str, Any]) -> str:
@@ -98,8 +105,13 @@ def basis_text(basis: dict[str, Any]) -> str:
     lo, hi = basis["min_repeats"], basis["max_repeats"]
     reps = f"{lo} repeat{'s' if lo != 1 else ''}" if lo == hi else f"{lo}-{hi} repeats"
     reps += " per group" + (" (no interval)" if lo < 2 else "")
-    source = _counted(basis["h2d_bandwidth_source"])
-    source = "bandwidth source not recorded" if source == UNRECORDED else f"bandwidth from {source}"
+    sources = basis["h2d_bandwidth_source"]
+    if not sources:
+        source = "no bandwidth (nothing offloaded)"
+    elif list(sources) == [UNRECORDED]:
+        source = "bandwidth source not recorded"
+    else:
+        source = f"bandwidth from {_counted(sources)}"
     return f"basis: {link}, device {_counted(basis['device'])}, {source}, {reps}"
 
 

@@ -144,18 +144,22 @@ def everyone(**over):
 
 
 def test_an_emulated_cpu_run_says_it_is_a_pipeline_check_not_a_hardware_verdict():
-    verdict, files = run(repeats=1, **everyone(cost_terms=EMULATED, engine={"device": "cpu"}))
+    by = everyone(cost_terms=EMULATED, engine={"device": "cpu"})
+    by["B3"] = {"cost_terms": CostTerms(h2d_link="none"), "engine": {"device": "cpu"}}  # all resident
+    verdict, files = run(repeats=1, **by)
     line = verdict["overall"]["line"]
     assert line.startswith("go/no-go (pipeline check, not a hardware verdict): GO on means (")
     assert line.endswith(
-        "basis: emulated 0.05 GB/s link, device cpu, bandwidth from transfers, 1 repeat per group (no interval)"
+        "basis: links emulated 0.05 GB/s (3 rows), none (all experts resident) (1 row), device cpu, "
+        "bandwidth from transfers, 1 repeat per group (no interval)"
     )
     basis = verdict["basis"]
     assert basis["pipeline_check"] is True and basis["hardware_verdict"] is False
-    assert basis["not_hardware_because"] == ["emulated link (4 rows)", "cpu device (4 rows)"]
-    assert basis["repeats_per_group"] == {KEY: 1} and basis["h2d_link"] == {"emulated": 4}
+    assert basis["not_hardware_because"] == ["emulated link (3 rows)", "cpu device (4 rows)"]
+    assert basis["repeats_per_group"] == {KEY: 1} and basis["h2d_link"] == {"emulated": 3, "none": 1}
+    assert basis["h2d_bandwidth_source"] == {"transfers": 3}  # a resident row needs no bandwidth
     md = files["result_matrix.md"]
-    assert "**pipeline check, not a hardware verdict**: emulated link (4 rows), cpu device (4 rows)" in md
+    assert "**pipeline check, not a hardware verdict**: emulated link (3 rows), cpu device (4 rows)" in md
     assert json.loads(files["verdict.json"])["basis"]["pipeline_check"] is True
 
 
