@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pd_dflash.ablation import ablation_settings, group_model, identity_of
+from pd_dflash.ablation import ablation_settings, check_distinct, group_model, identity_of
 from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.safe_load import decode_utf8, load_yaml
 from pd_dflash.upstream import (
@@ -68,6 +68,14 @@ class ModelSpec(_Input):
     #: Engine-specific options, validated by the engine's own options model (``engine.registry.check``).
     #: ``emulated_h2d_gbps`` may be a list: an ablation axis (``ablation.ABLATION_AXES``).
     engine_options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _distinct_link_rates(self) -> ModelSpec:
+        """A link-rate ablation's values must differ at the report's precision (``ablation.check_distinct``)."""
+        link = self.link_axis()
+        if link and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in link):
+            check_distinct(link, "engine_options.emulated_h2d_gbps")
+        return self
 
     def link_axis(self) -> list[float] | None:
         """The emulated link rates of a link ablation (a list-valued ``emulated_h2d_gbps``), else None."""
@@ -137,7 +145,7 @@ class Memory(_Input):
     @field_validator("expert_cache_fraction")
     @classmethod
     def _fractions(cls, v):
-        return _unique(v, "expert_cache_fraction") if isinstance(v, list) else v
+        return check_distinct(v, "expert_cache_fraction") if isinstance(v, list) else v
 
     @field_validator("device_memory_ratio")
     @classmethod
