@@ -40,6 +40,8 @@ def check_distinct(values: list, field: str) -> list:
     report then refuses as duplicates. Exact duplicates are the same case."""
     seen: dict[str, object] = {}
     for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue  # not a number: the field's own check names it
         label = value_label(v)
         if label in seen:
             if seen[label] == v:

@@ -69,14 +69,6 @@ class ModelSpec(_Input):
     #: ``emulated_h2d_gbps`` may be a list: an ablation axis (``ablation.ABLATION_AXES``).
     engine_options: dict[str, Any] = Field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _distinct_link_rates(self) -> ModelSpec:
-        """A link-rate ablation's values must differ at the report's precision (``ablation.check_distinct``)."""
-        link = self.link_axis()
-        if link and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in link):
-            check_distinct(link, "engine_options.emulated_h2d_gbps")
-        return self
-
     def link_axis(self) -> list[float] | None:
         """The emulated link rates of a link ablation (a list-valued ``emulated_h2d_gbps``), else None."""
         link = self.engine_options.get("emulated_h2d_gbps")
@@ -268,6 +260,8 @@ class SweepSpec(_Input):
     @classmethod
     def _models(cls, v: list[ModelSpec]) -> list[ModelSpec]:
         _unique([m.id for m in v], "models[].id")
+        for m in v:  # a link-rate ablation's values must differ at the report's precision, as the fractions
+            check_distinct(m.link_axis() or [], f"models[{m.id}].engine_options.emulated_h2d_gbps")
         return v
 
     @model_validator(mode="after")

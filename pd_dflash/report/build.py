@@ -9,7 +9,8 @@ The sweep's collector calls :func:`write_outputs` every N rows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -139,28 +140,35 @@ def effective_gates(
 
 
 def _fetcher(source: RowSource, row: Row):
-    """How to get a row's stored form back later: a JSON-lines row's text is re-read from its offset (so it
-    need not stay in memory); a row of a whole-JSON file (read whole anyway) is kept."""
+    """How to get a row's stored form back later: a JSON-lines row's text is re-read from its offset through
+    the held file (so it need not stay in memory; a changed line is refused); a row of a whole-JSON file (read
+    whole anyway) is kept."""
     if source.offset is None:
         return row.to_json_dict
     return lambda: read_line_at(source)
 
 
-def read_inputs(paths: Sequence[str | Path]) -> tuple[list[RowBrief], list[str]]:
-    """Summaries of every row of every input (a directory means its ``rows.jsonl``), and where each came from.
+@contextmanager
+def open_inputs(paths: Sequence[str | Path]) -> Iterator[tuple[list[RowBrief], list[str]]]:
+    """Summaries of every row of every input (a directory means its ``rows.jsonl``), and where each came from,
+    with every input held open until the block ends.
 
-    Rows are read one at a time; an input without a single row is an InputError (there is nothing to report).
+    Each file is opened once and read once; writing result_matrix.json reads each JSON-lines row again through
+    that same handle, so a file replaced meanwhile (a copy or an rsync renaming over it) is still read as it
+    was, and one rewritten in place is refused (``rows.read_line_at``): a matrix always agrees with itself. An
+    input without a single row is an InputError (there is nothing to report).
     """
     briefs: list[RowBrief] = []
     sources: list[str] = []
-    for raw in paths:
-        path = Path(raw)
-        if path.is_dir():
-            path = path / ROWS_FILE
-        before = len(briefs)
-        for row, source in iter_rows(path):
-            briefs.append(brief_of(row, _fetcher(source, row)))
-            sources.append(source.label)
-        if len(briefs) == before:
-            raise InputError("holds no rows: nothing to report", where=str(path))
-    return briefs, sources
+    with ExitStack() as held:
+        for raw in paths:
+            path = Path(raw)
+            if path.is_dir():
+                path = path / ROWS_FILE
+            before = len(briefs)
+            for row, source in iter_rows(path, hold=held):
+                briefs.append(brief_of(row, _fetcher(source, row)))
+                sources.append(source.label)
+            if len(briefs) == before:
+                raise InputError("holds no rows: nothing to report", where=str(path))
+        yield briefs, sources

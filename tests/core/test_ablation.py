@@ -95,9 +95,9 @@ def test_the_report_groups_by_the_ablation_and_plots_ours_over_b1():
         (
             [0.25, 0.5],
             [0.05, 0.0500000001],
-            "values 0.05 and 0.0500000001 in engine_options.emulated_h2d_gbps",
+            "values 0.05 and 0.0500000001 in models[micro].engine_options.emulated_h2d_gbps",
         ),
-        ([0.25, 0.5], [1.0, 1.0], "duplicate value 1.0 in engine_options.emulated_h2d_gbps"),
+        ([0.25, 0.5], [1.0, 1.0], "duplicate value 1.0 in models[micro].engine_options.emulated_h2d_gbps"),
         ([0.125, 0.125], LINKS, "duplicate value 0.125 in expert_cache_fraction"),
     ],
 )

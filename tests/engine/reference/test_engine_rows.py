@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pd_dflash.report import effective_gates, read_inputs, write_outputs
+from pd_dflash.report import effective_gates, open_inputs, write_outputs
 from pd_dflash.rows import ROWS_FILE, append_row
 from pd_dflash.schema import Row
 from pd_dflash.spec import expand
@@ -59,8 +59,8 @@ def test_engine_rows_store_byte_counts_as_ints(results_dir):
 
 def test_the_matrix_of_engine_rows_keeps_byte_counts_integral(results_dir):
     spec, out = results_dir
-    rows, sources = read_inputs([out])
-    write_outputs(rows, out / "report", effective_gates(spec), spec=spec, sources=sources)
+    with open_inputs([out]) as (rows, sources):
+        write_outputs(rows, out / "report", effective_gates(spec), spec=spec, sources=sources)
     matrix = json.loads((out / "report" / "result_matrix.json").read_text())
     (group,) = matrix.values()
     for baseline in ("B0", "OURS"):
