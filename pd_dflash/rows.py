@@ -226,7 +226,7 @@ def read_line_at(source: RowSource) -> str:
     versions of its input."""
     if source.offset is None:
         raise ValueError(f"{source.label} has no offset (not a JSON lines row)")
-    if source.handle is not None:
+    if source.handle is not None and not source.handle.closed:
         line = os.pread(source.handle.fileno(), source.length, source.offset)
     else:
         with _open_rows(source.path) as fh:
