@@ -16,13 +16,42 @@ ABLATION_AXES: dict[str, str] = {
 }
 
 
+def value_label(value: float) -> str:
+    """An ablation value as the report's group key writes it (``%g``: six significant digits)."""
+    return f"{float(value):g}"
+
+
 def group_model(model: str, ablation: dict[str, float] | None) -> str:
     """The model part of a report group key: the model, and its ablation values when it has any (e.g.
     ``mini-gpt-oss[expert_cache_fraction=0.25,emulated_h2d_gbps=0.05]``), so ``model|B{b}|c{c}`` stays upstream's
     key for a single-valued spec."""
     if not ablation:
         return model
-    return f"{model}[" + ",".join(f"{k}={ablation[k]:g}" for k in ABLATION_AXES if k in ablation) + "]"
+    return (
+        f"{model}["
+        + ",".join(f"{k}={value_label(ablation[k])}" for k in ABLATION_AXES if k in ablation)
+        + "]"
+    )
+
+
+def check_distinct(values: list, field: str) -> list:
+    """Refuse two values of one ablation axis that are equal at the group key's precision (:func:`value_label`):
+    ``[0.25, 0.2500001]`` would plan two cells whose rows share one report group and identity slot, which the
+    report then refuses as duplicates. Exact duplicates are the same case."""
+    seen: dict[str, object] = {}
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue  # not a number: the field's own check names it
+        label = value_label(v)
+        if label in seen:
+            if seen[label] == v:
+                raise ValueError(f"duplicate value {v!r} in {field}")
+            raise ValueError(
+                f"values {seen[label]!r} and {v!r} in {field} are equal at the report's precision (both {label}): "
+                "their cells would share one identity; use values that differ in 6 significant digits"
+            )
+        seen[label] = v
+    return values
 
 
 def ablation_settings(spec: Any, model: Any) -> list[dict[str, float]]:

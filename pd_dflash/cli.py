@@ -33,17 +33,17 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from pd_dflash.engine.registry import load_checked_spec
-    from pd_dflash.report import effective_gates, read_inputs, write_outputs
+    from pd_dflash.report import effective_gates, open_inputs, write_outputs
 
     spec = load_checked_spec(args.spec) if args.spec else None
     gates = effective_gates(spec, args.allow_blocked or (), args.allow_unmeasured or ())
-    rows, sources = read_inputs(args.inputs)
-    try:
-        verdict = write_outputs(rows, args.out, gates, plots=bool(args.plots), spec=spec, sources=sources)
-    except OSError as exc:
-        raise InputError(
-            f"cannot write outputs: {exc.strerror or exc}", where=exc.filename or args.out
-        ) from None
+    with open_inputs(args.inputs) as (rows, sources):
+        try:
+            verdict = write_outputs(rows, args.out, gates, plots=bool(args.plots), spec=spec, sources=sources)
+        except OSError as exc:
+            raise InputError(
+                f"cannot write outputs: {exc.strerror or exc}", where=exc.filename or args.out
+            ) from None
     print(json.dumps(verdict["groups"], indent=2, sort_keys=True))
     print(verdict["overall"]["line"])
     print(f"wrote {Path(args.out) / 'result_matrix.{json,csv,md}'} ({len(rows)} rows)", file=sys.stderr)

@@ -16,17 +16,28 @@ Files created here (``rows.jsonl``, the ``.torn`` side file, every :func:`write_
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import secrets
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 from pd_dflash.errors import InputError
-from pd_dflash.safe_load import MAX_DEPTH, MalformedText, decode_utf8, load_json, value_depth
+from pd_dflash.safe_load import (
+    MAX_DEPTH,
+    MAX_DOCUMENT_BYTES,
+    MalformedText,
+    decode_utf8,
+    load_json,
+    read_bounded,
+    read_line_bounded,
+    value_depth,
+)
 from pd_dflash.schema import Row, parse_row
 
 #: The file name of a sweep's rows inside its results directory (written by the collector, read by report).
@@ -67,29 +78,41 @@ class TailRepair:
 @dataclass(frozen=True)
 class RowSource:
     """Where a row was read: ``label`` names it in messages (``file:line``, ``file[i]`` or ``file``); JSONL
-    rows also have their byte ``offset``, so a reader can fetch the row again (:func:`read_row_at`)."""
+    rows also have their byte ``offset``, ``length`` and ``digest``, so a reader can fetch the row again
+    (:func:`read_line_at`) and know it is the row it read."""
 
     path: Path
     label: str
     offset: int | None = None
+    length: int | None = None
+    digest: bytes | None = None
+    #: The open file the row was read from, when the reader holds it (``iter_rows(..., hold=...)``): a file
+    #: replaced meanwhile (a rename over it) is then still read as it was.
+    handle: BinaryIO | None = field(default=None, compare=False, repr=False)
+
+
+def _digest(line: bytes) -> bytes:
+    return hashlib.blake2b(line, digest_size=16).digest()
 
 
 def _open_error(path: Path, exc: OSError) -> InputError:
     return InputError(f"cannot read rows: {exc.strerror or exc}", where=str(path))
 
 
-def _first_char(path: Path) -> str:
-    with _open_rows(path) as fh:
-        head = fh.read(4096)
-    return head.lstrip()[:1].decode("ascii", "replace")
-
-
-def _whole_json(path: Path) -> list[tuple[Row, RowSource]] | None:
-    """A JSON list of rows or one row object, or None when the file is not one JSON document (JSON lines)."""
+def _rewind(fh: BinaryIO, path: Path) -> None:
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise _open_error(path, exc) from None
+        fh.seek(0)
+    except OSError as exc:  # a pipe: the report reads a file twice at most through one handle
+        raise InputError(
+            f"cannot read rows: not a seekable file ({exc.strerror or exc})", where=str(path)
+        ) from None
+
+
+def _whole_json(fh: BinaryIO, path: Path) -> list[tuple[Row, RowSource]] | None:
+    """A JSON list of rows or one row object, or None when the file is not one JSON document (JSON lines)."""
+    raw = read_bounded(
+        fh, MAX_DOCUMENT_BYTES, where=str(path), what="a row file read whole (JSON, not lines)"
+    )
     constants: list[str] = []
     try:
         data = load_json(decode_utf8(raw, where=str(path)), where=str(path), constants=constants)
@@ -127,46 +150,65 @@ def _rest_is_blank(fh, chunk: int = 1 << 20) -> bool:
 
 def _open_rows(path: Path):
     try:
-        return open(path, "rb")  # the caller's with-statement closes it
+        return open(path, "rb")  # the caller's with-statement (or ExitStack) closes it
     except OSError as exc:
         raise _open_error(path, exc) from None
 
 
-def _iter_jsonl(path: Path, tolerate: bool, torn: list[TornTail]) -> Iterator[tuple[Row, RowSource]]:
-    with _open_rows(path) as fh:
-        offset = 0
-        for lineno, line in enumerate(fh, start=1):
-            start, offset = offset, offset + len(line)
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            constants: list[str] = []
-            try:
-                obj = load_json(decode_utf8(line, where=where), where=where, constants=constants)
-            except MalformedText as exc:
-                if not _rest_is_blank(fh):
-                    raise
-                if not tolerate:
-                    hint = " (torn last line: a write cut by a crash; `pd-dflash run --resume` repairs it)"
-                    raise InputError(exc.message + hint, where=where) from None
-                torn.append(TornTail(offset=start, text=line.decode("utf-8", "replace").rstrip("\n")))
-                return
-            yield _row(obj, where, constants), RowSource(path, where, start)
-
-
-def _rows_of(path: Path, tolerate: bool, torn: list[TornTail]) -> Iterator[tuple[Row, RowSource]]:
-    if path.suffix != ".jsonl" and _first_char(path) in ("[", "{"):
-        whole = _whole_json(path)
-        if whole is not None:
-            yield from whole
+def _iter_jsonl(
+    fh: BinaryIO, path: Path, tolerate: bool, torn: list[TornTail], held: bool
+) -> Iterator[tuple[Row, RowSource]]:
+    offset = lineno = 0
+    while line := read_line_bounded(fh, where=f"{path}:{lineno + 1}"):
+        lineno += 1
+        start, offset = offset, offset + len(line)
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        constants: list[str] = []
+        try:
+            obj = load_json(decode_utf8(line, where=where), where=where, constants=constants)
+        except MalformedText as exc:
+            if not _rest_is_blank(fh):
+                raise
+            if not tolerate:
+                hint = " (torn last line: a write cut by a crash; `pd-dflash run --resume` repairs it)"
+                raise InputError(exc.message + hint, where=where) from None
+            torn.append(TornTail(offset=start, text=line.decode("utf-8", "replace").rstrip("\n")))
             return
-    yield from _iter_jsonl(path, tolerate, torn)
+        source = RowSource(path, where, start, len(line), _digest(line), fh if held else None)
+        yield _row(obj, where, constants), source
 
 
-def iter_rows(path: str | Path) -> Iterator[tuple[Row, RowSource]]:
+def _rows_of(
+    path: Path, tolerate: bool, torn: list[TornTail], hold: ExitStack | None = None
+) -> Iterator[tuple[Row, RowSource]]:
+    """The rows of one file through one open handle (the file is opened once, whatever its form)."""
+    fh = _open_rows(path)
+    if hold is not None:
+        hold.enter_context(fh)
+    try:
+        head = fh.read(4096)
+        _rewind(fh, path)
+        if path.suffix != ".jsonl" and head.lstrip()[:1] in (b"[", b"{"):
+            whole = _whole_json(fh, path)
+            if whole is not None:
+                yield from whole
+                return
+            _rewind(fh, path)
+        yield from _iter_jsonl(fh, path, tolerate, torn, hold is not None)
+    except OSError as exc:  # EIO and the like, while reading
+        raise _open_error(path, exc) from None
+    finally:
+        if hold is None:
+            fh.close()
+
+
+def iter_rows(path: str | Path, *, hold: ExitStack | None = None) -> Iterator[tuple[Row, RowSource]]:
     """Every row of a ``.jsonl`` file (streamed line by line), a JSON list, or a single JSON object, with
-    where it came from. Errors name the file and line; a torn last line is one of them."""
-    yield from _rows_of(Path(path), False, [])
+    where it came from. Errors name the file and line; a torn last line is one of them. With ``hold`` the file
+    stays open (until ``hold`` closes) and every JSON-lines row's source reads it again through that handle."""
+    yield from _rows_of(Path(path), False, [], hold)
 
 
 def read_rows(path: str | Path, *, tolerate_torn_tail: bool = False) -> tuple[list[Row], TornTail | None]:
@@ -178,13 +220,26 @@ def read_rows(path: str | Path, *, tolerate_torn_tail: bool = False) -> tuple[li
 
 
 def read_line_at(source: RowSource) -> str:
-    """The stored text of the JSON-lines row ``source`` points at (read again from its offset), without its
-    newline: the row exactly as the file holds it (it was validated when it was first read)."""
+    """The stored text of the JSON-lines row ``source`` points at (read again from its offset, through the held
+    handle when there is one), without its newline: the row exactly as the file holds it. A line that is no
+    longer the one first read (the file was rewritten in place) is an InputError: a matrix never mixes two
+    versions of its input."""
     if source.offset is None:
         raise ValueError(f"{source.label} has no offset (not a JSON lines row)")
-    with _open_rows(source.path) as fh:
-        fh.seek(source.offset)
-        line = fh.readline()
+    if source.handle is not None and not source.handle.closed:
+        line = os.pread(source.handle.fileno(), source.length, source.offset)
+    else:
+        with _open_rows(source.path) as fh:
+            fh.seek(source.offset)
+            line = (
+                read_line_bounded(fh, where=source.label) if source.length is None else fh.read(source.length)
+            )
+    if source.digest is not None and _digest(line) != source.digest:
+        raise InputError(
+            "the file changed while it was being read (this line is no longer the row read first); nothing "
+            "was written: report again once the file is complete",
+            where=source.label,
+        )
     return decode_utf8(line, where=source.label).rstrip("\r\n")
 
 

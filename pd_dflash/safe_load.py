@@ -4,7 +4,10 @@ Every input file (a spec, a row file, a result matrix) goes through here, so a h
 :class:`~pd_dflash.errors.InputError` naming the file (exit 2), never a traceback and never minutes of work:
 
 - bytes that are not UTF-8 are named by offset;
+- sizes are bounded: a JSON line (:data:`MAX_LINE_BYTES`) and a document read whole (:data:`MAX_DOCUMENT_BYTES`), so
+  ``/dev/zero`` or a runaway file is named, never read until memory runs out;
 - nesting is bounded (:data:`MAX_DEPTH` levels), so no parser or serializer recurses without limit;
+- duplicate keys are refused in JSON as in YAML (both would silently keep the last one), named with the line;
 - YAML is read with the safe loader (nothing is ever constructed from a tag), duplicate mapping keys are refused
   (YAML would silently keep the last one), and aliases may not expand the document beyond :data:`MAX_YAML_NODES`
   nodes (a "billion laughs" document is refused after counting, before anything is built from it);
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from json.decoder import JSONObject
+from json.scanner import py_make_scanner
+from typing import Any, BinaryIO
 
 import yaml
 from yaml.composer import ComposerError
@@ -30,6 +35,11 @@ MAX_DEPTH = 64
 MAX_YAML_NODES = 100_000
 #: Longest integer literal parsed (Python refuses to convert more than 4300 digits).
 MAX_INT_DIGITS = 4000
+#: Longest line of a JSON-lines file (a sweep row is about 10 KB; upstream's rows are smaller).
+MAX_LINE_BYTES = 16 << 20
+#: Largest JSON document read whole: an upstream row file or a result_matrix.json (the matrix of a 26,765-row,
+#: 200 MB rows.jsonl is 252 MB, docs/metrics.md).
+MAX_DOCUMENT_BYTES = 1 << 30
 
 
 class MalformedText(InputError):
@@ -45,7 +55,71 @@ def decode_utf8(raw: bytes, *, where: str) -> str:
         raise MalformedText(f"not UTF-8 text (byte 0x{bad} at offset {exc.start})", where=where) from None
 
 
+def read_bounded(fh: BinaryIO, limit: int, *, where: str, what: str) -> bytes:
+    """All of ``fh`` from its position, refused (InputError naming ``where``) beyond ``limit`` bytes."""
+    data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise InputError(
+            f"{what} larger than {limit} bytes: refused (the bound on what is read whole)", where=where
+        )
+    return data
+
+
+def read_line_bounded(fh: BinaryIO, *, where: str) -> bytes:
+    """One line of a JSON-lines file (b"" at the end), refused beyond :data:`MAX_LINE_BYTES` bytes."""
+    line = fh.readline(MAX_LINE_BYTES + 1)
+    if len(line) > MAX_LINE_BYTES:
+        raise InputError(
+            f"line longer than {MAX_LINE_BYTES} bytes: not a row (the bound on one line)", where=where
+        )
+    return line
+
+
 # -- JSON ------------------------------------------------------------------------------------------------
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return obj
+
+
+def _line_of_duplicate(text: str, key: str) -> int | None:
+    """The line of the object holding ``key`` twice: the text parsed again by the pure-Python scanner, which
+    tells each object's offset (only on this error path; the C scanner tells none)."""
+    decoder = json.JSONDecoder(parse_constant=lambda name: 0.0)
+
+    def parse_object(s_and_end, strict, scan_once, object_hook, object_pairs_hook, memo=None):
+        s, end = s_and_end
+        pairs, after = JSONObject(s_and_end, strict, scan_once, None, list, memo)
+        if sum(k == key for k, _ in pairs) > 1:
+            raise _Located(s.count("\n", 0, end) + 1)
+        return dict(pairs), after
+
+    decoder.parse_object = parse_object
+    decoder.scan_once = py_make_scanner(decoder)
+    try:
+        decoder.decode(text)
+    except _Located as found:
+        return found.line
+    except (ValueError, RecursionError):
+        return None
+    return None
+
+
+class _Located(Exception):
+    def __init__(self, line: int):
+        self.line = line
 
 
 _CONSTANTS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -64,7 +138,18 @@ def load_json(
         return _CONSTANTS[name]
 
     try:
-        value = json.loads(text, parse_constant=constant)
+        value = json.loads(text, parse_constant=constant, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as dup:
+        at = where
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
+        if "\n" in text.rstrip("\r\n"):  # a whole document: name the line (a JSON line's where has it)
+            line = _line_of_duplicate(text, dup.key)
+            at = where if line is None else f"{where}:{line}"
+        raise InputError(
+            f"duplicate key {_short_key(dup.key)}: JSON would keep only the last (refused, as in a spec)",
+            where=at,
+        ) from None
     except RecursionError:
         raise InputError(f"nested deeper than {MAX_DEPTH} levels", where=where) from None
     except json.JSONDecodeError as exc:

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pd_dflash.ablation import ablation_settings, group_model, identity_of
+from pd_dflash.ablation import ablation_settings, check_distinct, group_model, identity_of
 from pd_dflash.baselines import BLOCK_INDEPENDENT, OFFLOADED, SPECULATIVE, Baseline, configuration
 from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.safe_load import decode_utf8, load_yaml
@@ -134,7 +134,7 @@ class Memory(_Input):
     @field_validator("expert_cache_fraction")
     @classmethod
     def _fractions(cls, v):
-        return _unique(v, "expert_cache_fraction") if isinstance(v, list) else v
+        return check_distinct(v, "expert_cache_fraction") if isinstance(v, list) else v
 
     @field_validator("device_memory_ratio")
     @classmethod
@@ -257,6 +257,8 @@ class SweepSpec(_Input):
     @classmethod
     def _models(cls, v: list[ModelSpec]) -> list[ModelSpec]:
         _unique([m.id for m in v], "models[].id")
+        for m in v:  # a link-rate ablation's values must differ at the report's precision, as the fractions
+            check_distinct(m.link_axis() or [], f"models[{m.id}].engine_options.emulated_h2d_gbps")
         return v
 
     @model_validator(mode="after")

@@ -9,6 +9,6 @@ upstream's row-level BM1 (``summarise_row``).
 """
 
 from pd_dflash.report.bm1 import bm1_summary
-from pd_dflash.report.build import build_report, effective_gates, read_inputs, write_outputs
+from pd_dflash.report.build import build_report, effective_gates, open_inputs, write_outputs
 
-__all__ = ["bm1_summary", "build_report", "effective_gates", "read_inputs", "write_outputs"]
+__all__ = ["bm1_summary", "build_report", "effective_gates", "open_inputs", "write_outputs"]

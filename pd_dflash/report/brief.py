@@ -89,6 +89,8 @@ class RowBrief:
     fetch: Callable[[], str | dict[str, Any]]
     #: The row's ablation values (``ablation.ABLATION_AXES``), or None.
     ablation: dict[str, float] | None = None
+    #: The device the engine ran on (``engine.device``, e.g. "cpu", "cuda:0"), or None when not recorded.
+    device: str | None = None
 
     @property
     def identity(self) -> tuple:
@@ -177,4 +179,5 @@ def brief_of(row: Row, fetch: Callable[[], str | dict[str, Any]] | None = None) 
         else row.cost_terms.model_dump(mode="json", exclude_none=True),
         fetch=fetch or row.to_json_dict,
         ablation=dict(row.ablation) if row.ablation else None,
+        device=device if isinstance(device := row.engine.get("device"), str) else None,
     )

@@ -9,7 +9,8 @@ The sweep's collector calls :func:`write_outputs` every N rows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ from pydantic import ValidationError
 from pd_dflash.baselines import ORDER
 from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.report.aggregate import Matrix, build_matrix
+from pd_dflash.report.basis import verdict_basis, verdict_line
 from pd_dflash.report.brief import RowBrief, brief_of
+from pd_dflash.report.confidence import confidence_verdict
 from pd_dflash.report.gates import Expectations, evaluate, overall
 from pd_dflash.report.matrix_json import matrix_json, write_matrix_json
 from pd_dflash.report.render import dumps, matrix_csv, matrix_markdown
@@ -34,15 +37,33 @@ def _evaluate(
     sources: Sequence[str] | None,
     plots: bool,
 ) -> tuple[Matrix, dict[str, Any], dict[str, str | bytes]]:
-    """The matrix, the verdict, and every output but result_matrix.json (whose size grows with the rows)."""
+    """The matrix, the verdict, and every output but result_matrix.json (whose size grows with the rows).
+
+    The verdict holds upstream's mean-based evaluation (``overall``, unchanged in meaning), the confidence-aware
+    one beside it (``confidence``, per group under ``groups[key]["confidence"]``) and what both rest on
+    (``basis``); ``overall["line"]`` states all three, ``overall["line_on_means"]`` the mean-based part alone.
+    """
     matrix = build_matrix(rows, sources)
     details = evaluate(matrix, gates, Expectations.infer(matrix, spec))
     summary = overall(details)
+    confidence = confidence_verdict(matrix, details, gates)
+    basis = verdict_basis(matrix)
+    summary["line_on_means"] = summary["line"]
+    summary["line"] = verdict_line(summary, confidence, basis)
     ok = bool(details) and all(d["complete"] and d["valid"] for d in details.values())
-    verdict = {"groups": details, "overall": summary, "complete": ok, "exit_code": 0 if ok else 1}
+    verdict = {
+        "groups": details,
+        "overall": summary,
+        "confidence": confidence,
+        "basis": basis,
+        "complete": ok,
+        "exit_code": 0 if ok else 1,
+    }
     files: dict[str, str | bytes] = {
         "result_matrix.csv": matrix_csv(matrix),
-        "result_matrix.md": matrix_markdown(matrix, details, summary, gates),
+        "result_matrix.md": matrix_markdown(
+            matrix, details, summary, gates, confidence=confidence, basis=basis
+        ),
         "verdict.json": dumps(verdict),
     }
     if plots:
@@ -129,28 +150,35 @@ def effective_gates(
 
 
 def _fetcher(source: RowSource, row: Row):
-    """How to get a row's stored form back later: a JSON-lines row's text is re-read from its offset (so it
-    need not stay in memory); a row of a whole-JSON file (read whole anyway) is kept."""
+    """How to get a row's stored form back later: a JSON-lines row's text is re-read from its offset through
+    the held file (so it need not stay in memory; a changed line is refused); a row of a whole-JSON file (read
+    whole anyway) is kept."""
     if source.offset is None:
         return row.to_json_dict
     return lambda: read_line_at(source)
 
 
-def read_inputs(paths: Sequence[str | Path]) -> tuple[list[RowBrief], list[str]]:
-    """Summaries of every row of every input (a directory means its ``rows.jsonl``), and where each came from.
+@contextmanager
+def open_inputs(paths: Sequence[str | Path]) -> Iterator[tuple[list[RowBrief], list[str]]]:
+    """Summaries of every row of every input (a directory means its ``rows.jsonl``), and where each came from,
+    with every input held open until the block ends.
 
-    Rows are read one at a time; an input without a single row is an InputError (there is nothing to report).
+    Each file is opened once and read once; writing result_matrix.json reads each JSON-lines row again through
+    that same handle, so a file replaced meanwhile (a copy or an rsync renaming over it) is still read as it
+    was, and one rewritten in place is refused (``rows.read_line_at``): a matrix always agrees with itself. An
+    input without a single row is an InputError (there is nothing to report).
     """
     briefs: list[RowBrief] = []
     sources: list[str] = []
-    for raw in paths:
-        path = Path(raw)
-        if path.is_dir():
-            path = path / ROWS_FILE
-        before = len(briefs)
-        for row, source in iter_rows(path):
-            briefs.append(brief_of(row, _fetcher(source, row)))
-            sources.append(source.label)
-        if len(briefs) == before:
-            raise InputError("holds no rows: nothing to report", where=str(path))
-    return briefs, sources
+    with ExitStack() as held:
+        for raw in paths:
+            path = Path(raw)
+            if path.is_dir():
+                path = path / ROWS_FILE
+            before = len(briefs)
+            for row, source in iter_rows(path, hold=held):
+                briefs.append(brief_of(row, _fetcher(source, row)))
+                sources.append(source.label)
+            if len(briefs) == before:
+                raise InputError("holds no rows: nothing to report", where=str(path))
+        yield briefs, sources

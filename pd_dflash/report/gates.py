@@ -414,5 +414,6 @@ def overall(details: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "gate_counts": counts,
         "groups": n,
         "groups_complete": n - len(incomplete),
+        "because": "; ".join(line),
         "line": f"go/no-go: {verdict} ({'; '.join(line)})",
     }

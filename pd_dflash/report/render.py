@@ -9,8 +9,18 @@ from typing import Any
 
 from pd_dflash.baselines import ORDER
 from pd_dflash.report.aggregate import Matrix
+from pd_dflash.report.basis import PIPELINE_CHECK, basis_text
 from pd_dflash.report.brief import EXTRA_COLUMNS
-from pd_dflash.report.gates import DISABLED, FAIL, GATES, NOT_EVALUATED, PASS, bm1_on_means, hide_on_means
+from pd_dflash.report.gates import (
+    DISABLED,
+    FAIL,
+    GATES,
+    NOT_EVALUATED,
+    PASS,
+    VERDICT_GATES,
+    bm1_on_means,
+    hide_on_means,
+)
 from pd_dflash.spec import Gates
 from pd_dflash.upstream import REQUIRED_METRICS, UPSTREAM_CSV_COLUMNS
 
@@ -124,12 +134,34 @@ def _table_cell(matrix: Matrix, key: str, baseline: str, column: str, scale: flo
     return text
 
 
-def _preamble(matrix: Matrix, overall: dict, gates: Gates) -> list[str]:
+def _basis_lines(overall: dict, confidence: dict | None, basis: dict | None) -> list[str]:
+    """What the verdict rests on (report/basis.py) and the count of the confidence-aware gates."""
+    if basis is None or confidence is None:
+        return []
+    lines = []
+    if basis["pipeline_check"]:
+        lines.append(
+            f"- **{PIPELINE_CHECK}**: {', '.join(basis['not_hardware_because'])}. The gates check the pipeline "
+            "end to end; they say nothing about route-ahead on a real device link."
+        )
+    lines.append(f"- {basis_text(basis)}")
+    c = confidence["counts"]
+    lines.append(
+        f"- on means (upstream's rule): {overall['verdict']}; on 95% intervals: {confidence['verdict']} "
+        f"({c['PASS']} pass, {c['FAIL']} fail, {c['INCONCLUSIVE']} inconclusive gate results)"
+    )
+    return lines
+
+
+def _preamble(
+    matrix: Matrix, overall: dict, gates: Gates, confidence: dict | None, basis: dict | None
+) -> list[str]:
     lines = [
         "# PD-DFlash Phase-A result matrix",
         "",
         f"**{overall['line']}**",
         "",
+        *_basis_lines(overall, confidence, basis),
         f"- rows read: {matrix.n_input_rows}; groups (model, B, c): {overall['groups']}, complete and valid: "
         f"{overall['groups_complete']}",
         f"- gates: coverage ≥ {gates.min_coverage}, waste ratio ≤ {gates.max_waste_ratio}, speedup over B0 ≥ "
@@ -184,9 +216,35 @@ def _gates_table(verdicts: dict[str, dict], keys: list[str]) -> list[str]:
     return lines + ([""] if notes else []) + notes
 
 
-def matrix_markdown(matrix: Matrix, verdicts: dict[str, dict], overall: dict, gates: Gates) -> str:
-    """result_matrix.md: the verdict, then per model a table per headline metric and the gates table."""
-    lines = _preamble(matrix, overall, gates)
+def _confidence_table(verdicts: dict[str, dict], keys: list[str]) -> list[str]:
+    if not all("confidence" in verdicts[k] for k in keys):
+        return []
+    lines = [
+        "",
+        "### Gates on 95% intervals (PASS: the interval clears the threshold; FAIL: wholly on the wrong side)",
+        "",
+        "| B | c | " + " | ".join(VERDICT_GATES) + " |",
+        "|---|---|" + "---|" * len(VERDICT_GATES),
+    ]
+    for k in keys:
+        _, b, c = k.rsplit("|", 2)
+        gs = verdicts[k]["confidence"]
+        lines.append(f"| {b[1:]} | {c[1:]} | " + " | ".join(gs[g]["status"] for g in VERDICT_GATES) + " |")
+    return lines
+
+
+def matrix_markdown(
+    matrix: Matrix,
+    verdicts: dict[str, dict],
+    overall: dict,
+    gates: Gates,
+    *,
+    confidence: dict | None = None,
+    basis: dict | None = None,
+) -> str:
+    """result_matrix.md: the verdict and its basis, then per model a table per headline metric and the gates
+    tables (on means, and on intervals when the confidence-aware verdict was computed)."""
+    lines = _preamble(matrix, overall, gates, confidence, basis)
     for model in sorted({key.rsplit("|", 2)[0] for key in verdicts}):
         keys = [k for k in verdicts if k.rsplit("|", 2)[0] == model]
         present = {b for k in keys for b in matrix.rows.get(k, {})}
@@ -195,4 +253,5 @@ def matrix_markdown(matrix: Matrix, verdicts: dict[str, dict], overall: dict, ga
         lines += ["", f"## {model}", *_shared_note(verdicts, keys)]
         lines += _metric_tables(matrix, keys, baselines)
         lines += _gates_table(verdicts, keys)
+        lines += _confidence_table(verdicts, keys)
     return "\n".join(lines) + "\n"

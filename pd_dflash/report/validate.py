@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_dflash.errors import InputError, excerpt
-from pd_dflash.safe_load import decode_utf8, load_json
+from pd_dflash.safe_load import MAX_DOCUMENT_BYTES, decode_utf8, load_json, read_bounded
 from pd_dflash.schema import Status, check_number
 from pd_dflash.upstream import REQUIRED_METRICS, UPSTREAM_BASELINES
 
@@ -64,10 +64,28 @@ def key_errors(key: str, rows_by_baseline: dict[str, Any]) -> list[str]:
 _ABSENT = object()
 
 
+#: The bytes a JSON document can start with (NaN and Infinity included: the checks name them).
+_JSON_STARTS = frozenset(b'{["-0123456789tfnNI')
+
+
+def _not_json_at_all(head: bytes, where: str) -> None:
+    """Refuse at once a file whose first non-blank byte starts no JSON document (``/dev/zero``), with the very
+    error the whole file would give, before anything more is read. (Only an ASCII byte: a non-UTF-8 file is
+    named as such by the normal path.)"""
+    stripped = head.lstrip()
+    if stripped and stripped[0] < 0x80 and stripped[0] not in _JSON_STARTS:
+        at = len(head) - len(stripped)
+        load_json(head[: at + 1].decode("ascii"), where=where, name_line=True)
+
+
 def validate_matrix_file(path: Path) -> dict[str, dict[str, Any]]:
     """Every group of a result_matrix.json with its errors: ``{key: {"valid": bool, "errors": [...]}}``."""
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as fh:
+            head = fh.read(4096)
+            _not_json_at_all(head, str(path))
+            fh.seek(0)
+            raw = read_bounded(fh, MAX_DOCUMENT_BYTES, where=str(path), what="a result matrix")
     except OSError as exc:
         raise InputError(f"cannot read matrix: {exc.strerror or exc}", where=str(path)) from None
     # NaN/Infinity are read, then named by the checks

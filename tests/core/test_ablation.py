@@ -86,3 +86,34 @@ def test_the_report_groups_by_the_ablation_and_plots_ours_over_b1():
     assert sorted(lines) == LINKS
     for pts in lines.values():
         assert [f for f, _ in pts] == [0.25, 0.5] and all(r == pytest.approx(2.0) for _, r in pts)
+
+
+@pytest.mark.parametrize(
+    ("memory", "links", "named"),
+    [
+        ([0.25, 0.2500001], LINKS, "values 0.25 and 0.2500001 in expert_cache_fraction"),
+        (
+            [0.25, 0.5],
+            [0.05, 0.0500000001],
+            "values 0.05 and 0.0500000001 in models[micro].engine_options.emulated_h2d_gbps",
+        ),
+        ([0.25, 0.5], [1.0, 1.0], "duplicate value 1.0 in models[micro].engine_options.emulated_h2d_gbps"),
+        ([0.125, 0.125], LINKS, "duplicate value 0.125 in expert_cache_fraction"),
+    ],
+)
+def test_values_equal_at_the_reports_precision_are_refused_at_plan_naming_both(memory, links, named):
+    """Two cells whose values print alike (``%g``) would share one report group and identity slot: the report
+    would refuse their rows as duplicates after the sweep ran them both."""
+    data = base_spec(
+        baselines=["B1"], block_sizes=[8], concurrency=[1], memory={"expert_cache_fraction": memory}
+    )
+    data["models"] = [{**data["models"][0], "engine_options": {"emulated_h2d_gbps": links}}]
+    with pytest.raises(InputError, match=r"equal at the report's precision|duplicate value") as info:
+        parse_spec(data)
+    assert named in str(info.value)
+
+
+def test_values_that_differ_at_the_reports_precision_make_distinct_groups():
+    spec = ablation_spec(memory={"expert_cache_fraction": [0.25, 0.250001]})
+    keys = {c.group_model for c in expand(spec)}
+    assert len(keys) == len({tuple(sorted(c.ablation.items())) for c in expand(spec)}) == 6

@@ -323,7 +323,7 @@ def test_full_grid_with_three_repeats_gives_cis_and_gate_verdicts(tmp_path, caps
     rows_file = write_jsonl(tmp_path / "rows.jsonl", rows)
     assert run_cli("report", rows_file, "--out", tmp_path / "o", "--spec", PHASE_A) == 0
     out = capsys.readouterr().out
-    assert out.strip().splitlines()[-1].startswith("go/no-go: GO (")
+    assert out.strip().splitlines()[-1].startswith("go/no-go: GO on means (")
     matrix = json.loads((tmp_path / "o" / "result_matrix.json").read_text())
     ours = matrix[f"{GPTOSS}|B16|c8"]["OURS"]
     agg = ours["aggregate"]["output_tokens_per_second"]

@@ -10,7 +10,7 @@ import pytest
 
 from pd_dflash.errors import InputError
 from pd_dflash.report.aggregate import build_matrix
-from pd_dflash.report.build import build_report, effective_gates, read_inputs, write_outputs
+from pd_dflash.report.build import build_report, effective_gates, open_inputs, write_outputs
 from pd_dflash.report.matrix_json import aggregated_row, matrix_json
 from pd_dflash.rows import append_row, encode_row
 from pd_dflash.schema import CostTerms, Status
@@ -90,20 +90,20 @@ def test_inputs_are_read_from_files_and_directories_with_their_places(tmp_path):
         append_row(tmp_path / "sweep" / "rows.jsonl", r)
     whole = tmp_path / "upstream.json"
     whole.write_text(json.dumps([r.to_json_dict() for r in rows[2:]]))
-    briefs, sources = read_inputs([tmp_path / "sweep", whole])
-    assert [b.baseline for b in briefs] == ["B0", "B1", "B3", "OURS"]
-    assert sources == [
-        f"{tmp_path / 'sweep' / 'rows.jsonl'}:1",
-        f"{tmp_path / 'sweep' / 'rows.jsonl'}:2",
-        f"{whole}[0]",
-        f"{whole}[1]",
-    ]
-    assert briefs[1].fetch() == encode_row(rows[1]).decode().rstrip("\n")  # re-read from its line
-    assert briefs[3].fetch() == rows[3].to_json_dict()  # a whole-JSON row is kept
+    with open_inputs([tmp_path / "sweep", whole]) as (briefs, sources):
+        assert [b.baseline for b in briefs] == ["B0", "B1", "B3", "OURS"]
+        assert sources == [
+            f"{tmp_path / 'sweep' / 'rows.jsonl'}:1",
+            f"{tmp_path / 'sweep' / 'rows.jsonl'}:2",
+            f"{whole}[0]",
+            f"{whole}[1]",
+        ]
+        assert briefs[1].fetch() == encode_row(rows[1]).decode().rstrip("\n")  # re-read from its line
+        assert briefs[3].fetch() == rows[3].to_json_dict()  # a whole-JSON row is kept
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(InputError) as err:
-        read_inputs([empty])
+    with pytest.raises(InputError) as err, open_inputs([empty]):
+        pass
     assert str(err.value) == f"{empty}: holds no rows: nothing to report"
 
 

@@ -107,7 +107,10 @@ def test_bm1_not_evaluated_without_terms():
     verdict, _ = report(synth_rows(tweak=ours_at(t_router_seconds=None, t_verify_seconds=None)))
     g = gate(verdict, "bm1")
     assert g["status"] == "not evaluated" and "OURS" in g["summary"]
-    assert verdict["overall"]["line"] == "go/no-go: INCONCLUSIVE (not evaluated: bm1 24/24 groups)"
+    assert verdict["overall"]["line_on_means"] == "go/no-go: INCONCLUSIVE (not evaluated: bm1 24/24 groups)"
+    assert verdict["overall"]["line"].startswith(
+        "go/no-go: INCONCLUSIVE on means (not evaluated: bm1 24/24 groups); INCONCLUSIVE on 95% intervals ("
+    )
 
 
 # -- hide inequality ------------------------------------------------------------------------------------
@@ -164,7 +167,7 @@ def test_low_coverage_is_no_go_with_a_one_line_reason():
     assert gate(verdict, "coverage")["status"] == "fail"
     assert gate(verdict, "coverage", "openai/gpt-oss-20b|B16|c4")["status"] == "pass"
     line = verdict["overall"]["line"]
-    assert line.startswith("go/no-go: NO-GO (coverage fails in 4/24 groups (e.g. ")
+    assert line.startswith("go/no-go: NO-GO on means (coverage fails in 4/24 groups (e.g. ")
     assert "OURS coverage 0.62 < 0.80" in line
     assert line in files["result_matrix.md"]
     assert verdict["exit_code"] == 0  # the matrix is complete and valid; the verdict is separate

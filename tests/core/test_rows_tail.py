@@ -224,20 +224,26 @@ def test_a_file_starting_with_whitespace_or_a_foreign_byte(tmp_path):
 
 def test_an_unreadable_whole_json_file_says_why(tmp_path, monkeypatch):
     import errno
-    from pathlib import Path
 
+    from pd_dflash import rows
     from pd_dflash.rows import iter_rows
 
     path = tmp_path / "rows.json"
     path.write_text("[]")
 
-    def failing(self):
+    def failing(*args, **kwargs):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(Path, "read_bytes", failing)
+    monkeypatch.setattr(rows, "read_bounded", failing)
     with pytest.raises(InputError) as err:
         list(iter_rows(path))
     assert str(err.value) == f"{path}: cannot read rows: Input/output error"
+    lines = tmp_path / "rows.jsonl"
+    lines.write_text("{}\n")
+    monkeypatch.setattr(rows, "read_line_bounded", failing)  # a JSON-lines file is read line by line
+    with pytest.raises(InputError) as err:
+        list(iter_rows(lines))
+    assert str(err.value) == f"{lines}: cannot read rows: Input/output error"
 
 
 def test_a_stored_line_is_read_back_as_it_is(tmp_path):

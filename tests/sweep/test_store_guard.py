@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from pd_dflash.report import read_inputs
+from pd_dflash.report import open_inputs
 from pd_dflash.report.aggregate import build_matrix
 from pd_dflash.rows import append_row, encode_row
 from pd_dflash.schema import Row, Status
@@ -154,8 +154,8 @@ def write_lines(out, rows):
 
 
 def report_accepts(out) -> None:
-    briefs, sources = read_inputs([out])
-    build_matrix(briefs, sources)  # raises InputError on anything the report refuses
+    with open_inputs([out]) as (briefs, sources):
+        build_matrix(briefs, sources)  # raises InputError on anything the report refuses
 
 
 def set_aside_lines(out) -> list[dict]:

@@ -101,13 +101,14 @@ def headline_metrics(
     samples: dict[str, list[float]],
     committed: list[int],
     slo: SLO,
-) -> tuple[dict[str, float | None], list[str]]:
-    """The row's top-level metrics, and a warning for each one this cell did not measure (left None)."""
+) -> tuple[dict[str, float | int | None], list[str]]:
+    """The row's top-level metrics (byte counts as ints), and a warning for each one this cell did not measure
+    (left None)."""
     c = m.runtime.cache.counters
     coverage, coverage_warning = prefetch_coverage(m.runtime)
     wasted, wasted_warning = wasted_prefetch_bytes(m.runtime)
     ttft = samples["ttft_seconds"]
-    values: dict[str, float | None] = {
+    values: dict[str, float | int | None] = {
         "output_tokens_per_second": sum(t.tokens for t in timed) / m.elapsed,
         "acceptance_length_a": sum(committed) / len(committed) if committed else None,
         "ttft_seconds": sum(ttft) / len(ttft),
@@ -116,8 +117,8 @@ def headline_metrics(
         "expert_cache_hit_rate": c.hit_rate,
         "route_ahead_prefetch_coverage": coverage,
         "wasted_prefetch_bytes": wasted,
-        "expert_occupancy_bytes": float(c.peak_occupancy_bytes),
-        "kv_occupancy_bytes": float(max(rec.kv_bytes for rec in m.rounds)),
+        "expert_occupancy_bytes": c.peak_occupancy_bytes,  # byte counts stay ints (docs/metrics.md)
+        "kv_occupancy_bytes": max(rec.kv_bytes for rec in m.rounds),
     }
     warnings = []
     if not committed:
@@ -154,13 +155,13 @@ def in_time_coverage(rt: OffloadRuntime) -> float | None:
     return covered / actual
 
 
-def wasted_prefetch_bytes(rt: OffloadRuntime) -> tuple[float | None, str | None]:
+def wasted_prefetch_bytes(rt: OffloadRuntime) -> tuple[int | None, str | None]:
     """Bytes of predicted experts no kept row used, or a measured 0 when no prefetch was issued at all."""
     c = rt.cache.counters
     if c.prefetch_transfers == 0 and (rt.cache.resident or not issued_prefetches(rt)):
-        return 0.0, None  # measured: this configuration issued no prefetch at all
+        return 0, None  # measured: this configuration issued no prefetch at all
     if rt.stats.wasted_prefetch_bytes is not None:
-        return float(rt.stats.wasted_prefetch_bytes), None
+        return rt.stats.wasted_prefetch_bytes, None
     return None, "wasted_prefetch_bytes not measured: prefetches were issued without byte accounting"
 
 

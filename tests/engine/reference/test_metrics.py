@@ -183,14 +183,17 @@ def test_hit_rate_without_any_access_is_absent_with_a_warning():
 
 def test_expert_and_kv_occupancy_are_peaks_not_the_last_round():
     values, _ = headline(measurement())
-    assert values["kv_occupancy_bytes"] == 12288.0  # round 1, not the last round's 2048
-    assert values["expert_occupancy_bytes"] == 6000.0  # the counters' peak
+    assert values["kv_occupancy_bytes"] == 12288  # round 1, not the last round's 2048
+    assert values["expert_occupancy_bytes"] == 6000  # the counters' peak
+    # byte counts are whole numbers and stay ints (a float here reaches the row file and the matrix)
+    assert all(type(values[m]) is int for m in ("kv_occupancy_bytes", "expert_occupancy_bytes"))
 
 
 def test_coverage_and_waste_from_the_route_ahead_statistics():
     values, warnings = headline(measurement())
     assert values["route_ahead_prefetch_coverage"] == 3 / 5
     assert values["wasted_prefetch_bytes"] == 2 * NBYTES  # {3, 4}: predicted, routed by no kept row
+    assert type(values["wasted_prefetch_bytes"]) is int
     assert warnings == []
 
 
@@ -219,11 +222,12 @@ def test_waste_is_a_measured_zero_only_when_no_prefetch_was_issued():
     )
     none_issued = CacheCounters(prefetch_transfers=0)
     cache = SimpleNamespace(counters=none_issued, resident=False)
-    assert metrics.wasted_prefetch_bytes(runtime(stats=sizeless, cache=cache, prefetcher=None)) == (0.0, None)
+    assert metrics.wasted_prefetch_bytes(runtime(stats=sizeless, cache=cache, prefetcher=None)) == (0, None)
     idle = SimpleNamespace(issue=False)
-    assert metrics.wasted_prefetch_bytes(runtime(stats=sizeless, cache=cache, prefetcher=idle)) == (0.0, None)
+    assert metrics.wasted_prefetch_bytes(runtime(stats=sizeless, cache=cache, prefetcher=idle)) == (0, None)
     resident = SimpleNamespace(counters=none_issued, resident=True)
-    assert metrics.wasted_prefetch_bytes(runtime(stats=sizeless, cache=resident)) == (0.0, None)
+    assert metrics.wasted_prefetch_bytes(runtime(stats=sizeless, cache=resident)) == (0, None)
+    assert type(metrics.wasted_prefetch_bytes(runtime(stats=sizeless, cache=resident))[0]) is int
     busy = SimpleNamespace(counters=none_issued, resident=False)
     assert metrics.wasted_prefetch_bytes(runtime(stats=sizeless, cache=busy))[0] is None
 
@@ -408,7 +412,7 @@ def test_an_observe_only_prefetcher_gives_coverage_but_no_prediction_counts():
     result = metrics.assemble(measurement(runtime=runtime(prefetcher=idle, cache=cache)), SLO())
     assert result.route_ahead_prefetch_coverage == 3 / 5
     assert result.route_ahead is None and "prediction" not in result.engine
-    assert result.wasted_prefetch_bytes == 0.0
+    assert result.wasted_prefetch_bytes == 0 and type(result.wasted_prefetch_bytes) is int
 
 
 # -- BM4 overlap of the transfers with the compute windows -----------------------------------------------------
