@@ -92,7 +92,7 @@ class Check:
         self.summary["ok"] = bool(steps) and all(s.get("ok", False) for s in steps)
         self.output.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.output.with_name(self.output.name + ".tmp")
-        tmp.write_text(json.dumps(self.summary, indent=2, sort_keys=True, default=str) + "\n")
+        tmp.write_text(json.dumps(self.summary, indent=2, default=str) + "\n")
         os.replace(tmp, self.output)
 
     def run_step(self, name: str, limit: float) -> None:
