@@ -110,7 +110,7 @@ class Check:
             result["budget_s"] = timeout
         self.summary["steps"][name] = result
         self.write()
-        note = result.get("error") or result.get("skipped") or ""
+        note = result.get("error") or result.get("skipped") or "; ".join(result.get("problems") or [])
         print(
             f"  {name}: {'ok' if result.get('ok') else 'FAILED'} ({result.get('seconds', 0):.1f} s) {note}".rstrip(),
             flush=True,
@@ -176,11 +176,15 @@ def _pytest(check: Check, files: tuple[str, ...], timeout: float) -> dict[str, A
         start = time.perf_counter()
         try:
             proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as exc:  # what pytest printed until then says how far it got
+            printed = (
+                exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            )
             return {
                 "ok": False,
                 "error": f"pytest timed out after {timeout:.0f} s",
                 "files": list(files),
+                "tail": printed[-1500:],
                 **_figures(figures),
             }
         out: dict[str, Any] = {

@@ -20,7 +20,6 @@ CUDA-only parts say "skipped" and the rest runs at a reduced size.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 import sys
@@ -31,7 +30,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-GIB = 2**30
+GIB, PAGE = 2**30, 4096
 #: (module, distribution, required): what the engine path and the GPU tests import.
 MODULES = (
     ("torch", "torch", True),
@@ -103,7 +102,8 @@ def _cuda_preflight(out: dict[str, Any]) -> list[str]:
     out.update(device=torch.cuda.get_device_name(0), capability=[major, minor], arch=arch, arch_list=archs)
     out["probe"] = probe()
     probe_rate = out["probe"].get("h2d", {}).get("bytes_per_second")
-    out["register_1gib"] = register(GIB, chunks=1, probe=probe_rate)
+    view, commit = committed(GIB)
+    out["register_1gib"] = {"commit_seconds": commit, **register(view, GIB, chunks=1, probe=probe_rate)}
     problems = []
     if arch not in archs:
         problems.append(f"torch {torch.__version__} was not built for {arch} (its arch list: {archs})")
@@ -112,18 +112,29 @@ def _cuda_preflight(out: dict[str, Any]) -> list[str]:
     return problems
 
 
-def register(nbytes: int, *, chunks: int, probe: float | None, copy_bytes: int = 4 * GIB) -> dict[str, Any]:
-    """Register ``nbytes`` of committed host pages in ``chunks`` page-aligned pieces (as the loader does per
-    layer), copy up to ``copy_bytes`` of them to the device in 1 GiB pieces, unregister. Seconds and GB/s."""
+def committed(nbytes: int):
+    """``nbytes`` of host memory whose pages are written (committed), page-aligned: (view, seconds)."""
     import torch
 
-    cudart, page = torch.cuda.cudart(), 4096
     start = time.perf_counter()
-    host = torch.empty(nbytes + page, dtype=torch.uint8)
-    host.fill_(1)  # commit the pages first, as the loader's reads do
-    base = host.data_ptr() + (-host.data_ptr() % page)
-    facts: dict[str, Any] = {"bytes": nbytes, "chunks": chunks, "commit_seconds": time.perf_counter() - start}
-    step = -(-nbytes // chunks // page) * page
+    host = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    offset = -host.data_ptr() % PAGE
+    view = host[offset : offset + nbytes]
+    view.fill_(1)  # as the loader's reads do before a layer is pinned
+    return view, time.perf_counter() - start
+
+
+def register(
+    view, nbytes: int, *, chunks: int, probe: float | None, copy_bytes: int = 4 * GIB
+) -> dict[str, Any]:
+    """Register the first ``nbytes`` of ``view`` (committed, page-aligned) in ``chunks`` page-aligned pieces (as
+    the loader does per layer), copy up to ``copy_bytes`` of them to the device in 1 GiB pieces from the
+    registered pages, unregister. Seconds and GB/s (and the ratio to the probe's ``cudaHostAlloc`` pages)."""
+    import torch
+
+    cudart, base = torch.cuda.cudart(), view.data_ptr()
+    facts: dict[str, Any] = {"bytes": nbytes, "chunks": chunks}
+    step = -(-nbytes // chunks // PAGE) * PAGE
     done: list[int] = []
     start = time.perf_counter()
     for offset in range(0, nbytes, step):
@@ -133,25 +144,24 @@ def register(nbytes: int, *, chunks: int, probe: float | None, copy_bytes: int =
             return {**facts, "ok": False, "error": f"chunk at {offset:,} B: cudaHostRegister error {err}"}
         done.append(base + offset)
     facts["register_seconds"] = time.perf_counter() - start
-    view = host[base - host.data_ptr() :][:nbytes]
+    facts["register_bytes_per_second"] = nbytes / max(facts["register_seconds"], 1e-9)
     piece = min(GIB, nbytes)
     target = torch.empty(piece, dtype=torch.uint8, device="cuda:0")
-    moved, pieces = 0, min(nbytes, copy_bytes) // piece
+    pieces = max(1, min(nbytes, copy_bytes) // piece)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for i in range(pieces):
         target.copy_(view[i * piece : (i + 1) * piece], non_blocking=True)
-        moved += piece
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    facts.update(h2d_bytes=moved, h2d_bytes_per_second=moved / seconds, pinned=view.is_pinned())
+    facts.update(h2d_bytes=pieces * piece, h2d_bytes_per_second=pieces * piece / seconds)
+    facts["pinned"] = bool(view[:piece].is_pinned())
     if probe:
         facts["h2d_over_probe"] = facts["h2d_bytes_per_second"] / probe
     start = time.perf_counter()
     _unregister(cudart, done)
-    facts.update(unregister_seconds=time.perf_counter() - start, ok=bool(facts["pinned"]))
-    del target, host, view
-    gc.collect()
+    facts.update(unregister_seconds=time.perf_counter() - start, ok=facts["pinned"])
+    del target
     torch.cuda.empty_cache()
     return facts
 
@@ -162,6 +172,10 @@ def _unregister(cudart, pointers: list[int]) -> None:
 
 
 # -- pinning at scale ------------------------------------------------------------------------------------------
+#: Sizes registered (GiB), each whole and in per-layer chunks (48: Qwen3-Coder-30B-A3B's MoE layers).
+PIN_GIB, LAYER_CHUNKS = (4, 16, 32), 48
+
+
 def pinning(device: str, budget_s: float) -> dict[str, Any]:
     deadline = time.perf_counter() + budget_s
     if device != "cuda":
@@ -169,13 +183,18 @@ def pinning(device: str, budget_s: float) -> dict[str, Any]:
     from pd_dflash.engine.probe import measure_h2d_bytes_per_second
 
     probe = measure_h2d_bytes_per_second()
-    out: dict[str, Any] = {"probe_bytes_per_second": probe, "sizes": []}
-    for gib in (4, 16, 32):
-        for chunks in (1, 48):
-            if time.perf_counter() + gib * 1.5 > deadline:  # ≈ commit + register + copy, measured ≥ 1 GiB/s
+    view, commit = committed(max(PIN_GIB) * GIB)  # one allocation: each size is a prefix of it
+    out: dict[str, Any] = {"probe_bytes_per_second": probe, "commit_seconds": commit, "sizes": []}
+    rate = None  # registration bytes/s, measured on the first size: sizes that would overrun are not run
+    for gib in PIN_GIB:
+        for chunks in (1, LAYER_CHUNKS):
+            need = 2 + (gib * GIB / rate if rate else 0)
+            if time.perf_counter() + need > deadline:
                 out["sizes"].append({"bytes": gib * GIB, "chunks": chunks, "not_run": "budget spent"})
                 continue
-            out["sizes"].append(register(gib * GIB, chunks=chunks, probe=probe))
+            entry = register(view, gib * GIB, chunks=chunks, probe=probe)
+            rate = entry.get("register_bytes_per_second", rate)
+            out["sizes"].append(entry)
     measured = [s for s in out["sizes"] if "ok" in s]
     out["ok"] = bool(measured) and all(s["ok"] for s in measured)
     return out
@@ -260,7 +279,7 @@ def _spec(device: str, preset: str):
             "concurrency": [1, 4],
             "repeats": 1,
             "workload": {
-                "requests": 4 if small else 8,
+                "requests": 4,
                 "warmup_rounds": 1,
                 "max_new_tokens": 16 if small else 32,
                 "prompt_tokens": 16,
