@@ -91,6 +91,8 @@ def preflight(device: str, budget_s: float) -> dict[str, Any]:
 
 
 def _cuda_preflight(out: dict[str, Any]) -> list[str]:
+    """The device, its arch against torch's build, the probe and a 1 GiB registration; each part's failure is
+    recorded as a problem and the next part still runs."""
     import torch
 
     from pd_dflash.engine.probe import probe
@@ -98,18 +100,42 @@ def _cuda_preflight(out: dict[str, Any]) -> list[str]:
     if not torch.cuda.is_available():
         return ["CUDA is not available to torch"]
     major, minor = torch.cuda.get_device_capability(0)
-    arch, archs = f"sm_{major}{minor}", torch.cuda.get_arch_list()
-    out.update(device=torch.cuda.get_device_name(0), capability=[major, minor], arch=arch, arch_list=archs)
-    out["probe"] = probe()
-    probe_rate = out["probe"].get("h2d", {}).get("bytes_per_second")
-    view, commit = committed(GIB)
-    out["register_1gib"] = {"commit_seconds": commit, **register(view, GIB, chunks=1, probe=probe_rate)}
+    archs = torch.cuda.get_arch_list()
+    out.update(device=torch.cuda.get_device_name(0), capability=[major, minor], arch_list=archs)
+    out["arch"], out["arch_match"] = f"sm_{major}{minor}", arch_match(major, minor, archs)
     problems = []
-    if arch not in archs:
-        problems.append(f"torch {torch.__version__} was not built for {arch} (its arch list: {archs})")
+    if out["arch_match"] is None:
+        problems.append(f"torch {torch.__version__} was not built for {out['arch']} (its arch list: {archs})")
+    try:
+        out["probe"] = probe()
+    except Exception as exc:
+        out["probe"] = {"error": f"{type(exc).__name__}: {exc}"}
+        problems.append(f"probe: {out['probe']['error']}")
+    probe_rate = out["probe"].get("h2d", {}).get("bytes_per_second")
+    try:
+        view, commit = committed(GIB)
+        out["register_1gib"] = {"commit_seconds": commit, **register(view, GIB, chunks=1, probe=probe_rate)}
+    except Exception as exc:
+        out["register_1gib"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     if not out["register_1gib"].get("ok"):
         problems.append(f"1 GiB cudaHostRegister: {out['register_1gib'].get('error')}")
     return problems
+
+
+def arch_match(major: int, minor: int, archs: list[str]) -> str | None:
+    """How torch's build runs on a device of compute capability ``major.minor``: ``"sm"`` (machine code for it,
+    e.g. ``sm_90`` or ``sm_90a``), ``"ptx"`` (only PTX of an older arch, JIT-compiled at first use: slow start,
+    no arch-specific instructions), or None (nothing that runs there)."""
+    wanted = major * 10 + minor
+    numbers = {kind: [] for kind in ("sm", "compute")}
+    for arch in archs:
+        kind, _, number = arch.partition("_")
+        digits = "".join(c for c in number if c.isdigit())
+        if kind in numbers and digits:
+            numbers[kind].append(int(digits))
+    if wanted in numbers["sm"]:
+        return "sm"
+    return "ptx" if any(n <= wanted for n in numbers["compute"]) else None
 
 
 def committed(nbytes: int):

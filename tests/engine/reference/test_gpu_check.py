@@ -15,6 +15,7 @@ from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check
+import gpu_steps
 
 #: One device call runs at most this long (docs/gpu-check.md; the device tool's notes).
 DEVICE_CALL_S = 480
@@ -41,6 +42,19 @@ def test_transformers_older_than_5_24_is_refused_naming_both_versions(installed,
     assert (problem is not None) == refused
     if refused:
         assert installed in problem and ">= 5.24" in problem
+
+
+@pytest.mark.parametrize(
+    ("capability", "archs", "match"),
+    [
+        ((9, 0), ["sm_80", "sm_90", "sm_100", "sm_120"], "sm"),  # H200 on a cu130 build
+        ((9, 0), ["sm_80", "sm_90a"], "sm"),
+        ((12, 0), ["sm_80", "sm_90", "compute_90"], "ptx"),  # RTX PRO 6000 on a build without sm_120
+        ((12, 0), ["sm_80", "sm_90"], None),
+    ],
+)
+def test_the_device_arch_is_checked_against_torchs_arch_list(capability, archs, match):
+    assert gpu_steps.arch_match(*capability, archs) == match
 
 
 @pytest.mark.slow
