@@ -57,8 +57,18 @@ def test_the_device_arch_is_checked_against_torchs_arch_list(capability, archs, 
     assert gpu_steps.arch_match(*capability, archs) == match
 
 
+@pytest.fixture(scope="module")
+def micro_with_drafter(micro):
+    """The check's CPU configurations load micro and its DFlash drafter from the cache: trained here first (on a
+    fresh cache that takes minutes, more than the step's budget), so the run measures the check, not training."""
+    from pd_dflash.engine.reference.presets.catalog import get_preset
+    from pd_dflash.engine.reference.presets.drafters import load_drafter
+
+    load_drafter(get_preset("micro"), micro[0])
+
+
 @pytest.mark.slow
-def test_the_cpu_run_passes_every_step_and_writes_the_summary_shape(tmp_path):
+def test_the_cpu_run_passes_every_step_and_writes_the_summary_shape(tmp_path, micro_with_drafter):
     summary = tmp_path / "gpu_check.json"
     proc = subprocess.run(
         [str(REPO / "scripts" / "gpu_check.sh"), str(summary), "--cpu"],
