@@ -52,6 +52,9 @@ STEPS: dict[str, float] = {
     "overhead": 70,
     "pinning": 50,
 }
+#: ``--cpu`` stretches every budget by this factor: a shared 2-core CI machine is slower than the box and has no
+#: call limit (what it checks is that every step still runs, not how fast).
+CPU_BUDGET_FACTOR = 3
 #: Steps a second call may name (``--steps``): the real-shaped slice and a real target under HF_HOME.
 EXTRA_STEPS: dict[str, float] = {"real_slice": 150, "real_target": 240}
 LINK_TESTS = (
@@ -61,8 +64,9 @@ LINK_TESTS = (
 )
 CONFIGURATION_TESTS = ("tests/engine/reference/test_gpu.py", "tests/engine/reference/test_gpu_real.py")
 OVERHEAD = REPO / "benchmarks" / "engine_overhead.py"
-#: Layers of the real-shape overhead benchmark: cut to fit its time box on CUDA, one on the CPU.
-OVERHEAD_LAYERS = {"cuda": 4, "cpu": 1}
+#: The overhead benchmark's size: both real geometries with the layers cut to fit the time box on CUDA (its
+#: report extrapolates to the real depth); its CI smoke size on the CPU.
+OVERHEAD_ARGS = {"cuda": ["--device", "cuda", "--layers", "8"], "cpu": ["--device", "cpu", "--quick"]}
 
 
 class Check:
@@ -220,30 +224,29 @@ def _steps_call(check: Check, step: str, timeout: float) -> dict[str, Any]:
 
 
 def step_overhead(check: Check, timeout: float) -> dict[str, Any]:
+    """The hot-path benchmark at real shapes (its JSON is rewritten after every row: a timeout keeps the rows
+    measured so far, ``status: running``)."""
     if not OVERHEAD.is_file():
         return {"ok": True, "skipped": f"not available: {OVERHEAD.relative_to(REPO)} is not in this checkout"}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "overhead.json"
-        args = [sys.executable, str(OVERHEAD), "--device", check.device]
-        args += ["--layers", str(OVERHEAD_LAYERS[check.device]), "--json", str(path)]
+        args = [sys.executable, str(OVERHEAD), *OVERHEAD_ARGS[check.device], "--json", str(path)]
         start = time.perf_counter()
+        out: dict[str, Any] = {"command": " ".join(["benchmarks/engine_overhead.py", *args[2:]])}
         try:
             proc = subprocess.run(
                 args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=check.env()
             )
+            out.update(exit_code=proc.returncode, tail=proc.stdout[-1500:])
+            error = proc.stderr[-1500:] if proc.returncode else None
         except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"timed out after {timeout:.0f} s", "command": args[1:]}
-        out: dict[str, Any] = {
-            "command": args[1:],
-            "exit_code": proc.returncode,
-            "seconds": time.perf_counter() - start,
-        }
-        out["tail"] = proc.stdout[-1500:]
+            error = f"timed out after {timeout:.0f} s (the rows measured until then are kept)"
+        out["seconds"] = time.perf_counter() - start
         if path.is_file():
             out["result"] = json.loads(path.read_text())
-        out["ok"] = proc.returncode == 0 and "result" in out
+        out["ok"] = error is None and out.get("result", {}).get("status") == "complete"
         if not out["ok"]:
-            out["error"] = proc.stderr[-1500:] or "no JSON written"
+            out["error"] = error or "no complete JSON written"
         return out
 
 
@@ -286,17 +289,21 @@ def main(argv: list[str] | None = None) -> int:
         "--steps", help=f"comma-separated steps (default: {','.join(STEPS)}; also {','.join(EXTRA_STEPS)})"
     )
     parser.add_argument(
-        "--budget-s", type=float, default=sum(STEPS.values()), help="overall seconds (default 440)"
+        "--budget-s",
+        type=float,
+        help=f"overall seconds (default {sum(STEPS.values()):g}; --cpu: × {CPU_BUDGET_FACTOR})",
     )
     args = parser.parse_args(argv)
     wanted = _wanted(args.steps)
     output = Path(args.output or Path(os.environ.get("OUT", ".")) / "gpu_check.json")
-    check = Check(output, "cpu" if args.cpu else "cuda", args.budget_s, args.cpu)
+    factor = CPU_BUDGET_FACTOR if args.cpu else 1
+    budget = args.budget_s if args.budget_s is not None else factor * sum(STEPS.values())
+    check = Check(output, "cpu" if args.cpu else "cuda", budget, args.cpu)
     print(f"gpu check ({check.summary['mode']}): {', '.join(wanted)} -> {output}", flush=True)
     check.write()
     limits = {**STEPS, **EXTRA_STEPS}
     for name in wanted:
-        check.run_step(name, limits[name])
+        check.run_step(name, factor * limits[name])
     check.write()
     print(
         f"gpu check: {'ok' if check.summary['ok'] else 'FAILED'} in {check.summary['seconds']:.0f} s -> {output}"

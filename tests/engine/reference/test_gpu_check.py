@@ -95,5 +95,9 @@ def test_the_cpu_run_passes_every_step_and_writes_the_summary_shape(tmp_path, mi
     ar = configurations["checks"]["ar_vs_speculative"]
     assert [d["concurrency"] for d in ar] == [1, 4] and all(d["ok"] for d in ar)
     assert any(p["compared"] for p in configurations["checks"]["same_shape_equal"])
+    overhead = data["steps"][
+        "overhead"
+    ]  # issue 20's benchmark at its CI smoke size, once the checkout has it
+    assert "not available" in overhead.get("skipped", "") or overhead["result"]["status"] == "complete"
     pinning = data["steps"]["pinning"]
     assert pinning["host_copy_bytes_per_second"] > 0 and "skipped" in pinning["registration"]
