@@ -273,7 +273,15 @@ def configurations(device: str, budget_s: float, preset: str) -> dict[str, Any]:
         "same_shape_equal": _same_shape_pairs(cells),
         "ar_vs_speculative": engine.divergences,
         "transfer_rate_over_probe": _transfer_ratios(cells, engine.probe_bytes_per_second),
+        "device_peaks": engine.peaks,
     }
+    # Measured, not a verdict yet: a peak above what the pre-check counts is the figure to fix it with.
+    warnings = [
+        f"{p['baseline']} c = {p['concurrency']}: device peak {p['device_peak_bytes']:,} B > the pre-check's "
+        f"{p['precheck_bytes']:,} B"
+        for p in engine.peaks
+        if p["peak_over_precheck"] > 1
+    ]
     ok = all(e["status"] == "OK" for e in cells) and len(cells) == 2 * len(BASELINES)
     ok = ok and all(p["equal"] for p in checks["same_shape_equal"] if p["compared"])
     ok = ok and all(d["ok"] for d in engine.divergences)
@@ -287,6 +295,7 @@ def configurations(device: str, budget_s: float, preset: str) -> dict[str, Any]:
         "preset_cache_hit": (facts.get("model_card") or {}).get("cache_hit"),
         "probe_bytes_per_second": facts.get("h2d_probe_bytes_per_second"),
         "checks": checks,
+        "warnings": warnings,
         "cells": cells,
     }
 
@@ -333,11 +342,38 @@ def _capturing_engine():
             super().__init__(ctx)
             self.captured: list[list[int]] = []
             self.divergences: list[dict[str, Any]] = []
+            self.peaks: list[dict[str, Any]] = []  # CUDA: each cell's device peak against the pre-check
             self._ar: dict[int, list[tuple[list[int], list[int]]]] = {}
 
         def run_cell(self, cell):
             self._cell = cell
-            return super().run_cell(cell)
+            if self.device.type != "cuda":
+                return super().run_cell(cell)
+            torch.cuda.synchronize(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            result = super().run_cell(cell)
+            self.peaks.append(self._peak(cell, torch.cuda.max_memory_allocated(self.device) - before))
+            return result
+
+        def _peak(self, cell, peak: int) -> dict[str, Any]:
+            """The cell's measured device peak (warm-up prefill included) against what the engine's pre-check
+            counts (``memory.require_cell_device_memory``: expert cache + KV bound + headroom)."""
+            from pd_dflash.engine.reference.memory import DEVICE_HEADROOM_BYTES, kv_cache_bytes
+
+            slots = min(self.cache_capacity(cell) // self.store.expert_nbytes, self.store.num_entries)
+            wl = self.ctx.workload
+            tokens = wl.prompt_tokens + cell.max_new_tokens + cell.block_size
+            element = torch.empty((), dtype=self.compute_dtype).element_size()
+            kv = kv_cache_bytes(self.target.model.config, tokens, cell.concurrency, element)
+            counted = slots * self.store.expert_nbytes + kv + DEVICE_HEADROOM_BYTES
+            return {
+                "baseline": cell.baseline,
+                "concurrency": cell.concurrency,
+                "device_peak_bytes": peak,
+                "precheck_bytes": counted,
+                "peak_over_precheck": peak / counted,
+            }
 
         def _measurement(self, setup, rounds, warm_seconds, timed_seconds):
             pairs = [(list(r.prompt), list(r.output)) for r in setup.timed]
