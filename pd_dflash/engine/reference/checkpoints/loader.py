@@ -113,6 +113,8 @@ def load_checkpoint(
     pinner = LayerPinner(arena, layers) if pin else None
     try:
         read_all(reads, checked, layers, progress, filled=pinner.pin if pinner else None)
+        for layer in set(layers) - set(pinner.done if pinner else layers):  # a layer no read reached
+            pinner.pin(layer)
     except Refused as refusal:  # a layer could not be page-locked: the arena is freed with the store
         return LoadedCheckpoint(model, family, None, None, card, refusal=refusal)
     card.update(load_bytes=progress.done, load_seconds=progress.finish())
