@@ -35,6 +35,16 @@ def timeout_for(relpath: str, markers: set[str]) -> int | None:
     return CORE_TIMEOUT_S if relpath.startswith("tests/core/") else UNIT_TIMEOUT_S
 
 
+def pytest_ignore_collect(collection_path, config):
+    """``pytest -m gpu`` on a CUDA box without Ray (the lent GPU image): tests/sweep imports Ray at module level
+    and holds no gpu test, so it is not collected there (elsewhere a missing Ray still fails loudly)."""
+    import importlib.util
+
+    if collection_path == REPO / "tests" / "sweep" and config.getoption("markexpr", "") == "gpu":
+        return importlib.util.find_spec("ray") is None or None
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 

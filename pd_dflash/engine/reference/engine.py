@@ -47,6 +47,7 @@ from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
 from pd_dflash.engine.reference.presets.catalog import get_preset
 from pd_dflash.engine.reference.presets.drafters import load_drafter
 from pd_dflash.engine.reference.prompts import prompt_facts
+from pd_dflash.engine.reference.requirements import require_transformers
 from pd_dflash.engine.reference.route_prefetch import RouteAheadPrefetcher
 from pd_dflash.engine.reference.seams import Admission, Decoding
 from pd_dflash.engine.reference.serving import RoundRecord, run_requests
@@ -77,6 +78,7 @@ class _CellSetup:
 class ReferenceEngine(Engine):
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
+        require_transformers()  # before anything calls the cache= API (requirements.py)
         start = time.perf_counter()
         self.options = ReferenceOptions.model_validate(ctx.model.engine_options)
         self.device = _device(ctx.device)
@@ -220,6 +222,7 @@ class ReferenceEngine(Engine):
         wl = self.ctx.workload
         warm = self._requests(cell, wl.warmup_rounds, max_new=cell.block_size, stream=1, tag="warmup")
         timed = self._requests(cell, wl.requests, max_new=cell.max_new_tokens, stream=0, tag="r")
+        decoding, drafter_facts, drafter_load = self._load_decoding(cell)  # on the device before the check
         require_cell_device_memory(
             cell,
             self.store,
@@ -229,7 +232,6 @@ class ReferenceEngine(Engine):
             tokens=max(len(r.prompt) + r.max_new_tokens for r in warm + timed) + cell.block_size,
             available=self.device_available_bytes(),
         )
-        decoding, drafter_facts, drafter_load = self._load_decoding(cell)
         runtime, link = self._runtime(cell, capacity)
         try:
             longest_prompt = max(len(r.prompt) for r in warm + timed)

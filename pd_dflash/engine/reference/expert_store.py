@@ -20,6 +20,7 @@ loader (``HostExpertStore`` below; a streaming checkpoint loader the same way):
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -67,14 +68,19 @@ class HostArena:
         """Page-lock the arena in place for non-blocking host→device copies (CUDA only)."""
         if self.pinned or self.nbytes == 0:
             return
-        ptr = self.buffer.data_ptr()
-        err = int(torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0))
-        if err != 0:
-            raise RuntimeError(
-                f"pinning the {self.nbytes} B expert arena failed (cudaHostRegister error {err})"
-            )
+        self.pin_range(0, self.nbytes, "the expert arena")
         self.pinned = True
+
+    def pin_range(self, offset: int, nbytes: int, what: str) -> float:
+        """Page-lock ``nbytes`` from ``offset`` (page-aligned, disjoint from earlier ranges) in place, e.g. one
+        layer as soon as the loader has filled it; returns the seconds ``cudaHostRegister`` took."""
+        ptr = self.buffer.data_ptr() + offset
+        start = time.perf_counter()
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+        if err != 0:
+            raise RuntimeError(f"pinning {what} ({nbytes:,} B) failed (cudaHostRegister error {err})")
         weakref.finalize(self, _unpin, ptr, self._base)  # before the memory is freed
+        return time.perf_counter() - start
 
     @classmethod
     def _aligned(cls, n: int) -> int:

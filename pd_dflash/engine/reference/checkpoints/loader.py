@@ -6,7 +6,8 @@ non-expert weights in flight; device: the non-expert weights) — a load that wo
 figures before anything is allocated (the engine refuses every cell; the model stays the ``meta`` skeleton).
 Then the safetensors files are read once, in file order, each tensor straight into its destination
 (``reads.py``): the experts into the host store's one arena (stored as in the file: bf16, or MXFP4 blocks +
-scales + biases; pinned in place on CUDA once filled), the rest to the device in the compute dtype.
+scales + biases; on CUDA each layer's pages are pinned in place as soon as that layer is filled:
+``LayerPinner``), the rest to the device in the compute dtype.
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ from pd_dflash.engine.reference.checkpoints.resolve import resolve
 from pd_dflash.engine.reference.checkpoints.store import (
     TORCH_DTYPES,
     CheckpointExpertStore,
+    LayerArena,
     arena_layers,
+    layer_range,
     store_bytes,
 )
 from pd_dflash.engine.reference.families import MoEFamily, family_of
 from pd_dflash.engine.reference.memory import module_bytes, require
 from pd_dflash.engine.reference.offload import OffloadedExperts
 from pd_dflash.errors import InputError
+from pd_dflash.schema import Status
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -111,15 +115,46 @@ def load_checkpoint(
     reads = expert_reads(checked) + parameter_reads(checked, model, device, compute)
     progress = LoadProgress(model_id, sum(r.entry.nbytes for r in reads))
     arena, layers = arena_layers(layout)
-    read_all(reads, checked, layers, progress)
+    pinner = LayerPinner(arena, layers) if pin else None
+    try:
+        read_all(reads, checked, layers, progress, filled=pinner.pin if pinner else None)
+        for layer in set(layers) - set(pinner.done if pinner else layers):  # a layer no read reached
+            pinner.pin(layer)
+    except Refused as refusal:  # a layer could not be page-locked: the arena is freed with the store
+        return LoadedCheckpoint(model, family, None, None, card, refusal=refusal)
     card.update(load_bytes=progress.done, load_seconds=progress.finish())
-    if pin:
-        arena.pin()  # page-locked in place, once filled (HostArena)
+    if pinner is not None:
+        card.update(pin_seconds=pinner.seconds, pinned_layers=len(pinner.done))
+        arena.pinned = True
     _finish_model(model, device)
     unused = sorted(set(checked.files.tensors) - {r.entry.name for r in reads})
     card["unused_tensors"] = unused[:8] + ([f"... {len(unused) - 8} more"] if len(unused) > 8 else [])
     store = CheckpointExpertStore(layout, layers, arena)
     return LoadedCheckpoint(model.eval(), family, store, _tokenizer(directory), card)
+
+
+class LayerPinner:
+    """Page-locks each MoE layer's arena pages as soon as the loader has filled them (``read_all``'s ``filled``),
+    so registration overlaps the reads and a failure names the layer and the figures at once, not after the
+    whole load; ``seconds`` is the total ``cudaHostRegister`` time (the row's ``pin_seconds`` load fact)."""
+
+    def __init__(self, arena: LayerArena, layers: dict[int, torch.Tensor]) -> None:
+        self.arena, self.layers = arena, layers
+        self.seconds, self.done, self.pinned_bytes = 0.0, [], 0
+
+    def pin(self, layer: int) -> None:
+        offset, nbytes = layer_range(self.arena, self.layers[layer])
+        try:
+            self.seconds += self.arena.pin_range(offset, nbytes, f"MoE layer {layer}'s experts")
+        except RuntimeError as exc:
+            raise Refused(
+                Status.REFUSED,
+                f"{exc}, after {len(self.done)} of {len(self.layers)} layers ({self.pinned_bytes:,} B) were "
+                f"pinned: the box cannot page-lock {self.arena.nbytes:,} B of experts. Fix: a box with more "
+                "lockable host memory (ulimit -l, the cgroup's limit), or fewer runners per box",
+            ) from None
+        self.done.append(layer)
+        self.pinned_bytes += nbytes
 
 
 def _compute_dtype(checked: CheckedCheckpoint, dtype: str) -> torch.dtype:

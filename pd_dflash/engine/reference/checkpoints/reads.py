@@ -8,8 +8,10 @@ thread (``prealloc.py``); each shard is read in one sequential pass with the ker
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -81,11 +83,17 @@ def parameter_reads(
 
 
 def read_all(
-    reads: list[Read], checked: CheckedCheckpoint, layers: dict[int, torch.Tensor], progress: LoadProgress
+    reads: list[Read],
+    checked: CheckedCheckpoint,
+    layers: dict[int, torch.Tensor],
+    progress: LoadProgress,
+    filled: Callable[[int], None] | None = None,
 ):
     """Every read in file order (one sequential pass per shard), each destination prepared ahead: a layer's
-    store view populated, a non-expert tensor's host copy allocated."""
+    store view populated, a non-expert tensor's host copy allocated. ``filled(layer)`` is called once a MoE
+    layer's last read has landed (the loader pins it then)."""
     reads = sorted(reads, key=lambda r: (str(r.entry.file), r.entry.start))
+    left = collections.Counter(r.key for r in reads if r.key[0] == "layer")
     jobs = []
     for key in dict.fromkeys(r.key for r in reads):
         kind, what = key
@@ -109,6 +117,10 @@ def read_all(
                     if r.assign is not None:
                         r.assign(dest)
                         del buffers[r.key]  # a non-expert tensor's host copy is not kept
+                    elif filled is not None:
+                        left[r.key] -= 1
+                        if not left[r.key]:
+                            filled(r.key[1])
                     progress.advance(r.entry.nbytes)
     finally:
         pre.close()

@@ -50,18 +50,31 @@ def populate(view: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def arena_layers(layout: ExpertLayout) -> tuple[HostArena, dict[int, torch.Tensor]]:
+class LayerArena(HostArena):
+    """The checkpoint store's arena: each layer starts on a page, so each layer is page-locked on its own, as
+    soon as it is filled (``cudaHostRegister`` of disjoint whole pages), instead of all at once after the load."""
+
+    ALIGN = PAGE
+
+
+def arena_layers(layout: ExpertLayout) -> tuple[LayerArena, dict[int, torch.Tensor]]:
     """One arena for every MoE layer's ``[E, expert_nbytes]`` bytes, and each layer's view (not yet touched)."""
     shape = (layout.num_experts, layout.expert_nbytes)
-    arena = HostArena(HostArena.size_of([(shape, torch.uint8)] * len(layout.moe_layers)))
+    arena = LayerArena(store_bytes(layout))
     return arena, {layer: arena.take(shape, torch.uint8) for layer in layout.moe_layers}
 
 
 def store_bytes(layout: ExpertLayout) -> int:
-    """Host bytes of the store's arena (the experts as stored, each layer aligned)."""
-    return HostArena.size_of(
+    """Host bytes of the store's arena (the experts as stored, each layer page-aligned)."""
+    return LayerArena.size_of(
         [((layout.num_experts, layout.expert_nbytes), torch.uint8)] * len(layout.moe_layers)
     )
+
+
+def layer_range(arena: HostArena, view: torch.Tensor) -> tuple[int, int]:
+    """(offset, bytes) of a layer's pages in ``arena``: its view rounded up to whole pages."""
+    offset = view.data_ptr() - arena.buffer.data_ptr()
+    return offset, min(LayerArena._aligned(view.numel()), arena.nbytes - offset)
 
 
 def meta_layers(layout: ExpertLayout) -> dict[int, torch.Tensor]:

@@ -1,0 +1,104 @@
+"""The GPU check cannot rot: ``scripts/gpu_check.sh --cpu`` runs every step's CPU-runnable part with the code the
+CUDA run uses, and its JSON summary has the shape docs/gpu-check.md describes. Also the engine's transformers
+check and the step budgets against the device call's limit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pd_dflash.engine.reference.requirements import transformers_problem
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_check
+import gpu_steps
+
+#: One device call runs at most this long (docs/gpu-check.md; the device tool's notes).
+DEVICE_CALL_S = 480
+
+
+def test_the_step_budgets_and_the_hard_limit_fit_one_device_call():
+    assert sum(gpu_check.STEPS.values()) + 30 <= DEVICE_CALL_S  # gpu_check.sh: timeout = budget + 30 s
+    assert list(gpu_check.STEPS)[:2] == ["bundle", "preflight"]
+
+
+@pytest.mark.parametrize(
+    ("installed", "refused"),
+    [
+        ("5.17.0", True),
+        ("5.23.9", True),
+        ("4.57.1", True),
+        ("5.24.0", False),
+        ("5.25.0.dev0", False),
+        ("6.0", False),
+    ],
+)
+def test_transformers_older_than_5_24_is_refused_naming_both_versions(installed, refused):
+    problem = transformers_problem(installed)
+    assert (problem is not None) == refused
+    if refused:
+        assert installed in problem and ">= 5.24" in problem
+
+
+@pytest.mark.parametrize(
+    ("capability", "archs", "match"),
+    [
+        ((9, 0), ["sm_80", "sm_90", "sm_100", "sm_120"], "sm"),  # H200 on a cu130 build
+        ((9, 0), ["sm_80", "sm_90a"], "sm"),
+        ((12, 0), ["sm_80", "sm_90", "compute_90"], "ptx"),  # RTX PRO 6000 on a build without sm_120
+        ((12, 0), ["sm_80", "sm_90"], None),
+    ],
+)
+def test_the_device_arch_is_checked_against_torchs_arch_list(capability, archs, match):
+    assert gpu_steps.arch_match(*capability, archs) == match
+
+
+@pytest.fixture(scope="module")
+def micro_with_drafter(micro):
+    """The check's CPU configurations load micro and its DFlash drafter from the cache: trained here first (on a
+    fresh cache that takes minutes, more than the step's budget), so the run measures the check, not training."""
+    from pd_dflash.engine.reference.presets.catalog import get_preset
+    from pd_dflash.engine.reference.presets.drafters import load_drafter
+
+    load_drafter(get_preset("micro"), micro[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # a fresh cache trains micro's drafter first (minutes on 2 busy cores)
+def test_the_cpu_run_passes_every_step_and_writes_the_summary_shape(tmp_path, micro_with_drafter):
+    summary = tmp_path / "gpu_check.json"
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "gpu_check.sh"), str(summary), "--cpu"],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        cwd=REPO,
+    )
+    assert summary.exists(), proc.stderr
+    data = json.loads(summary.read_text())
+    assert proc.returncode == 0 and data["ok"], (proc.stdout, json.dumps(data, indent=1)[:4000])
+    assert data["mode"] == "cpu" and list(data["steps"]) == list(gpu_check.STEPS)
+    for name, step in data["steps"].items():
+        assert step["ok"] is True and 0 <= step["seconds"] <= step["budget_s"] + 5, name
+    pre = data["steps"]["preflight"]
+    assert pre["versions"]["transformers"] and pre["transformers_problem"] is None and pre["missing"] == []
+    for name in ("link_tests", "configuration_tests"):  # every gpu file collected (none errors without Ray)
+        junit = data["steps"][name]["junit"]
+        assert junit["tests"] > 0 and junit["errors"] == junit["failures"] == 0, name
+    configurations = data["steps"]["configurations"]
+    assert {(c["baseline"], c["concurrency"]) for c in configurations["cells"]} == {
+        (b, c) for b in ("B0", "B1", "B2", "B3", "OURS") for c in (1, 4)
+    }
+    ar = configurations["checks"]["ar_vs_speculative"]
+    assert [d["concurrency"] for d in ar] == [1, 4] and all(d["ok"] for d in ar)
+    assert any(p["compared"] for p in configurations["checks"]["same_shape_equal"])
+    overhead = data["steps"][
+        "overhead"
+    ]  # issue 20's benchmark at its CI smoke size, once the checkout has it
+    assert "not available" in overhead.get("skipped", "") or overhead["result"]["status"] == "complete"
+    pinning = data["steps"]["pinning"]
+    assert pinning["host_copy_bytes_per_second"] > 0 and "skipped" in pinning["registration"]
