@@ -27,8 +27,9 @@ kept current incrementally instead of a scan of every slot (≈ 1.5 ms per evict
 rank changes only when the plan changes what it knows of that key, and ``RoundPlan`` names exactly those keys
 (``on_change``): a prediction or a use names its keys; a layer start the old and new ``now`` keys and, per layer
 the verify crosses, that layer's keys in predicted ∪ history ∪ used (any other key of it is class 0 before and
-after); a round end the keys of used ∪ history ∪ predicted ∪ now (any other key is class 0 before and after). So
-every update is O(log slots) per key named, amortised over the predictions and acquires that named it.
+after); a round end the used and ``now`` keys and the marked keys of the layers it did not reach (any other key
+is class 0 before and after). So every update is O(log slots) per key named, amortised over the predictions and
+acquires that named it.
 
 Pure Python (no torch): the engine's ``ExpertCache`` and ``cache_replay``'s offline replay use the same
 ``Evictor`` (``benchmarks/cache_bookkeeping.py`` times it against the scan it replaced).
@@ -92,7 +93,12 @@ class RoundPlan:
 
     def end_round(self) -> None:
         """The round's keys become the history; the next round starts with nothing predicted but that."""
-        changed = self.used | self.history | self.predicted | self.now if self.on_change is not None else ()
+        # Any other key is NOT_WANTED before and after: at a layer that ran and unused, or at a layer still to
+        # run and neither predicted, nor in the history, nor used.
+        changed = ()
+        if self.on_change is not None:
+            still = [self._marked.get(layer, ()) for layer in self.layer_ids[self.current + 1 :]]
+            changed = list(itertools.chain(self.used, self.now, *still))
         self.history, self.used, self.predicted, self.now = self.used, set(), set(), set()
         self.current = -1
         self._marked = {}
@@ -159,6 +165,8 @@ class Evictor:
         self.policy, self.plan = policy, plan
         self._heap: list[tuple[tuple, int, Key]] = []
         self._live: dict[Key, tuple[int, Stamp, tuple]] = {}  # key -> (token of its heap item, stamp, rank)
+        #: Keys the plan named since the last victim: re-ranked then (one pinned meanwhile costs nothing).
+        self._dirty: set[Key] = set()
         self._tokens = itertools.count()
         if policy == "plan":
             plan.on_change = self.rerank
@@ -186,12 +194,16 @@ class Evictor:
         self._live.pop(key, None)
 
     def rerank(self, keys: Iterable[Key]) -> None:
-        """The plan's knowledge of ``keys`` changed: re-rank those held."""
-        live = self._live
+        """The plan's knowledge of ``keys`` changed: those held are re-ranked before the next victim is chosen."""
+        self._dirty.update(keys)
+
+    def _refresh(self) -> None:
+        live, rank_of = self._live, self.rank
+        keys, self._dirty = self._dirty, set()
         for key in keys:
             held = live.get(key)
             if held is not None:
-                rank = self.rank(key, held[1])
+                rank = rank_of(key, held[1])
                 if rank != held[2]:
                     self._push(key, held[1], rank)
 
@@ -199,6 +211,8 @@ class Evictor:
         self, *, prefetch: bool = False, speculative: bool = False, ready: Callable[[Key], bool] | None = None
     ) -> Key | None:
         """The key to evict (it stays held until ``discard``); None: no candidate, or none a prefetch may take."""
+        if self._dirty:
+            self._refresh()
         heap, live = self._heap, self._live
         skipped, found = [], None
         while heap:

@@ -214,10 +214,12 @@ class ExpertCache:
         guess (the AR prefetcher's) that may displace only keys the plan does not want."""
         entry = self.entries.get(key)
         if entry is not None:
+            if entry.pins == 0:
+                self.evictor.discard(key)  # re-ranked once, below, with its new tick and reservation
+            self.plan.predict((key,))
             self._touch(entry)
             if entry.pins == 0:
                 self._offer(entry)
-            self.plan.predict((key,))
             return True
         if self.link is None:
             return True  # resident: everything is cached
@@ -226,10 +228,10 @@ class ExpertCache:
             self.counters.prefetch_dropped += 1
             return False
         entry = self._insert(key, slot, demand=False)
+        self.plan.predict((key,))
         self._tick += 1
         entry.seq = self._tick
         self._offer(entry)
-        self.plan.predict((key,))
         return True
 
     def is_ready(self, key: Key) -> bool:

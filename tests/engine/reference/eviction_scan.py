@@ -33,12 +33,16 @@ def choose(
 
 
 class ScanCache(ExpertCache):
-    """An ``ExpertCache`` whose victims come from a scan of every entry in LRU order (its ``Evictor`` is kept
-    up to date but never asked)."""
+    """An ``ExpertCache`` whose victims come from a scan of every entry in LRU order (its ``Evictor`` is left
+    empty and unhooked, so it costs what the cache cost before)."""
 
     def __post_init__(self) -> None:
         self.lru: OrderedDict[Key, None] = OrderedDict()
         super().__post_init__()
+        self.plan.on_change = None
+
+    def _offer(self, entry: _Entry) -> None:
+        pass
 
     def _insert(self, key: Key, slot: int, demand: bool) -> _Entry:
         self.lru[key] = None
@@ -56,7 +60,7 @@ class ScanCache(ExpertCache):
         return entry.pins == 0 and (entry.transfer is None or self.link.done(entry.transfer))
 
     def _victim(self, prefetch: bool, speculative: bool) -> _Entry | None:
-        entries = [self.entries[k] for k in self.lru]
+        entries = (self.entries[k] for k in self.lru)
         if self.policy == "plan":
             candidates = [(e.key, e.last_tick) for e in entries if self._evictable(e)]
             target = (-1, -1) if prefetch else None
