@@ -65,8 +65,9 @@ class RoundPlan:
         self.now: set[Key] = set()
         #: Per layer, its keys in predicted ∪ history ∪ used: what a layer start re-ranks when it crosses it.
         self._marked: dict[int, set[Key]] = {}
-        #: Called with the keys whose class may have changed (the ``Evictor`` re-ranks those it holds).
-        self.on_change: Callable[[Iterable[Key]], None] | None = None
+        #: Called with the keys whose class may have changed (the ``Evictor`` re-ranks those it holds);
+        #: ``rising=True``: their rank can only have risen (or stayed).
+        self.on_change: Callable[..., None] | None = None
 
     # -- lifecycle (driven by the offload runtime) -------------------------------------------------------------
     def predict(self, keys: Iterable[Key]) -> None:
@@ -75,7 +76,8 @@ class RoundPlan:
         if new:
             self.predicted.update(new)
             self._mark(new)
-            self._changed(new)
+            if self.on_change is not None:  # to PREDICTED at a layer still to run, else unchanged
+                self.on_change(new, rising=True)
 
     def layer_started(self, layer: int, needed: Iterable[Key]) -> None:
         old, self.current = self.current, self.position[layer]
@@ -83,7 +85,8 @@ class RoundPlan:
         if self.on_change is not None:
             lo, hi = sorted((old, self.current))
             crossed = [self._marked.get(self.layer_ids[p], ()) for p in range(lo + 1, hi + 1)]
-            self.on_change(itertools.chain(before, self.now, *crossed))
+            self.on_change(self.now, rising=True)  # to NOW, the last class
+            self.on_change(itertools.chain(before, *crossed))
 
     def record_use(self, key: Key) -> None:
         self.used.add(key)
@@ -95,15 +98,19 @@ class RoundPlan:
         """The round's keys become the history; the next round starts with nothing predicted but that."""
         # Any other key is NOT_WANTED before and after: at a layer that ran and unused, or at a layer still to
         # run and neither predicted, nor in the history, nor used.
-        changed = ()
+        # A used key of a layer that ran goes from COMPUTED to HISTORY (a rise); one of a layer not reached is in
+        # that layer's marked keys.
+        changed, used = (), self.used
         if self.on_change is not None:
             still = [self._marked.get(layer, ()) for layer in self.layer_ids[self.current + 1 :]]
-            changed = list(itertools.chain(self.used, self.now, *still))
+            changed = list(itertools.chain(self.now, *still))
         self.history, self.used, self.predicted, self.now = self.used, set(), set(), set()
         self.current = -1
         self._marked = {}
         self._mark(self.history)
-        self._changed(changed)
+        if self.on_change is not None:
+            self.on_change(used, rising=True)
+            self.on_change(changed)
 
     def _mark(self, keys: Iterable[Key]) -> None:
         for k in keys:
@@ -156,17 +163,24 @@ class Evictor:
     The victim is the smallest rank among the ready keys: plan (class, order, tick, position), LFU (uses, tick,
     position), LRU (position) — the scan it replaced, whose ties fell to LRU order. A prefetch may take only a
     key of ``PREFETCH_VICTIMS`` (speculative: NOT_WANTED), a prefix of the class order: if the best key's class
-    is refused, so is every later key's. Cost per call: O(log n) per stale item popped (each pushed once), plus
-    O(log n) per in-flight key ranked before the victim (skipped, pushed back)."""
+    is refused, so is every later key's.
+
+    Invariant: a held key's heap item ranks it no higher than its true rank, and exactly unless the key is in
+    ``_rising``. A rank that falls is pushed at once; one that rises (a touch, a reservation, the plan's ``now``,
+    a round end) is only noted, and fixed when its item reaches the top. So the top item, once not rising, is
+    the true minimum. The keys the plan names are classified before the next victim (``_dirty``: one pinned
+    meanwhile costs nothing). Cost: O(log n) per push and per stale item popped (each pushed once), plus per
+    in-flight key ranked before the victim (skipped, pushed back)."""
 
     def __init__(self, policy: str, plan: RoundPlan) -> None:
         if policy not in POLICIES:
             raise ValueError(f"eviction policy must be one of {POLICIES}, got {policy!r}")
         self.policy, self.plan = policy, plan
         self._heap: list[tuple[tuple, int, Key]] = []
-        self._live: dict[Key, tuple[int, Stamp, tuple]] = {}  # key -> (token of its heap item, stamp, rank)
-        #: Keys the plan named since the last victim: re-ranked then (one pinned meanwhile costs nothing).
+        #: key -> (token of its heap item, stamp, the rank its heap item holds)
+        self._live: dict[Key, tuple[int, Stamp, tuple]] = {}
         self._dirty: set[Key] = set()
+        self._rising: set[Key] = set()
         self._tokens = itertools.count()
         if policy == "plan":
             plan.on_change = self.rerank
@@ -187,25 +201,37 @@ class Evictor:
 
     def add(self, key: Key, stamp: Stamp) -> None:
         """``key`` is (again) a candidate, ranked from ``stamp`` (it replaces the key's earlier stamp)."""
-        self._push(key, stamp, self.rank(key, stamp))
+        rank, held = self.rank(key, stamp), self._live.get(key)
+        if held is not None and rank >= held[2]:
+            self._live[key] = (held[0], stamp, held[2])
+            self._rising.add(key)
+        else:
+            self._push(key, stamp, rank)
 
     def discard(self, key: Key) -> None:
         """``key`` is no candidate (pinned, or evicted)."""
         self._live.pop(key, None)
+        self._rising.discard(key)
 
-    def rerank(self, keys: Iterable[Key]) -> None:
-        """The plan's knowledge of ``keys`` changed: those held are re-ranked before the next victim is chosen."""
-        self._dirty.update(keys)
+    def rerank(self, keys: Iterable[Key], *, rising: bool = False) -> None:
+        """The plan's knowledge of ``keys`` changed: those held are re-ranked before the next victim is chosen
+        (``rising``: their rank did not fall, so their heap items still rank them no higher: just noted)."""
+        if rising:
+            self._rising.update(self._live.keys() & set(keys))
+        else:
+            self._dirty.update(keys)
 
     def _refresh(self) -> None:
-        live, rank_of = self._live, self.rank
+        live, rank_of, rising = self._live, self.rank, self._rising
         keys, self._dirty = self._dirty, set()
         for key in keys:
             held = live.get(key)
             if held is not None:
                 rank = rank_of(key, held[1])
-                if rank != held[2]:
+                if rank < held[2]:
                     self._push(key, held[1], rank)
+                elif rank > held[2]:
+                    rising.add(key)
 
     def victim(
         self, *, prefetch: bool = False, speculative: bool = False, ready: Callable[[Key], bool] | None = None
@@ -213,13 +239,21 @@ class Evictor:
         """The key to evict (it stays held until ``discard``); None: no candidate, or none a prefetch may take."""
         if self._dirty:
             self._refresh()
-        heap, live = self._heap, self._live
+        heap, live, rising = self._heap, self._live, self._rising
         skipped, found = [], None
         while heap:
             rank, token, key = heap[0]
             held = live.get(key)
             if held is None or held[0] != token:
                 heapq.heappop(heap)  # stale: discarded or re-ranked since
+                continue
+            if key in rising:  # its true rank is higher: put it there, look again
+                rising.discard(key)
+                true = self.rank(key, held[1])
+                if true != rank:
+                    token = next(self._tokens)
+                    live[key] = (token, held[1], true)
+                    heapq.heapreplace(heap, (true, token, key))
                 continue
             restricted = prefetch and self.policy == "plan"
             if restricted and not self.plan.prefetch_may_evict(rank[:2], speculative=speculative):
@@ -235,6 +269,7 @@ class Evictor:
     def _push(self, key: Key, stamp: Stamp, rank: tuple) -> None:
         token = next(self._tokens)
         self._live[key] = (token, stamp, rank)
+        self._rising.discard(key)
         heapq.heappush(self._heap, (rank, token, key))
         if len(self._heap) > 2 * len(self._live) + 64:  # mostly stale: rebuild (amortised O(1) per push)
             live = self._live

@@ -214,12 +214,10 @@ class ExpertCache:
         guess (the AR prefetcher's) that may displace only keys the plan does not want."""
         entry = self.entries.get(key)
         if entry is not None:
-            if entry.pins == 0:
-                self.evictor.discard(key)  # re-ranked once, below, with its new tick and reservation
-            self.plan.predict((key,))
             self._touch(entry)
             if entry.pins == 0:
                 self._offer(entry)
+            self.plan.predict((key,))
             return True
         if self.link is None:
             return True  # resident: everything is cached
