@@ -28,7 +28,8 @@ rank changes only when the plan changes what it knows of that key, and ``RoundPl
 (``on_change``): a prediction or a use names its keys; a layer start the old and new ``now`` keys and, per layer
 the verify crosses, that layer's keys in predicted ∪ history ∪ used (any other key of it is class 0 before and
 after); a round end the used and ``now`` keys and the marked keys of the layers it did not reach (any other key
-is class 0 before and after). So every update is O(log slots) per key named, amortised over the predictions and
+is class 0 before and after). A rank that rises is only noted (fixed when its heap item surfaces), one that
+falls is pushed at once. So every update is O(log slots) per key named, amortised over the predictions and
 acquires that named it.
 
 Pure Python (no torch): the engine's ``ExpertCache`` and ``cache_replay``'s offline replay use the same
@@ -181,15 +182,12 @@ class Evictor:
         self._live: dict[Key, tuple[int, Stamp, tuple]] = {}
         self._dirty: set[Key] = set()
         self._rising: set[Key] = set()
+        #: LRU only: pinned keys keep their heap items (a pinned key is the most recently used, so its fixed item
+        #: sits at the bottom) and are skipped; a hit then costs no push.
+        self._held: set[Key] = set()
         self._tokens = itertools.count()
         if policy == "plan":
             plan.on_change = self.rerank
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __contains__(self, key: Key) -> bool:
-        return key in self._live
 
     def rank(self, key: Key, stamp: Stamp) -> tuple:
         uses, tick, seq = stamp
@@ -201,6 +199,7 @@ class Evictor:
 
     def add(self, key: Key, stamp: Stamp) -> None:
         """``key`` is (again) a candidate, ranked from ``stamp`` (it replaces the key's earlier stamp)."""
+        self._held.discard(key)
         rank, held = self.rank(key, stamp), self._live.get(key)
         if held is not None and rank >= held[2]:
             self._live[key] = (held[0], stamp, held[2])
@@ -208,10 +207,19 @@ class Evictor:
         else:
             self._push(key, stamp, rank)
 
+    def hold(self, key: Key) -> None:
+        """``key`` is pinned (and touched): no candidate until ``add`` offers it again."""
+        if self.policy != "lru":
+            self.discard(key)
+        elif key in self._live:
+            self._held.add(key)
+            self._rising.add(key)
+
     def discard(self, key: Key) -> None:
-        """``key`` is no candidate (pinned, or evicted)."""
+        """``key`` is no candidate (evicted)."""
         self._live.pop(key, None)
         self._rising.discard(key)
+        self._held.discard(key)
 
     def rerank(self, keys: Iterable[Key], *, rising: bool = False) -> None:
         """The plan's knowledge of ``keys`` changed: those held are re-ranked before the next victim is chosen
@@ -239,7 +247,7 @@ class Evictor:
         """The key to evict (it stays held until ``discard``); None: no candidate, or none a prefetch may take."""
         if self._dirty:
             self._refresh()
-        heap, live, rising = self._heap, self._live, self._rising
+        heap, live, rising, held_keys = self._heap, self._live, self._rising, self._held
         skipped, found = [], None
         while heap:
             rank, token, key = heap[0]
@@ -254,6 +262,9 @@ class Evictor:
                     token = next(self._tokens)
                     live[key] = (token, held[1], true)
                     heapq.heapreplace(heap, (true, token, key))
+                continue
+            if key in held_keys:
+                skipped.append(heapq.heappop(heap))  # pinned
                 continue
             restricted = prefetch and self.policy == "plan"
             if restricted and not self.plan.prefetch_may_evict(rank[:2], speculative=speculative):

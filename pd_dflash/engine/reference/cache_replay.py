@@ -71,7 +71,7 @@ def replay(trace: Trace, slots: int, policy: str) -> int:
                     evictor.discard(victim)
             resident[key] = [t, 0]
         elif evictor is not None:
-            evictor.discard(key)
+            evictor.hold(key)
         resident[key][0] = t
         resident[key][1] += 1
         pinned.add(key)

@@ -159,7 +159,7 @@ class ExpertCache:
             self.counters.misses += 1
         else:
             if entry.pins == 0:
-                self.evictor.discard(key)
+                self.evictor.hold(key)
             if entry.inserted_round < self.round:
                 self.counters.resident_at_round_start += 1
             entry.ready_at_access = entry.transfer is None or self.link.done(entry.transfer)
@@ -196,7 +196,7 @@ class ExpertCache:
         if entry is None:
             return False
         if entry.pins == 0:
-            self.evictor.discard(key)
+            self.evictor.hold(key)
         entry.pins += 1
         return True
 
