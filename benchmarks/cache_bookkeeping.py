@@ -138,18 +138,40 @@ def run(cache, rounds: list, check_at: int) -> dict:
     }
 
 
+class CountingHeap:
+    """``heapq`` for ``cache_plan`` during the timed run: counts the index's heap operations."""
+
+    def __init__(self, heapq) -> None:
+        self.heapq, self.ops = heapq, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self.heapq, name)
+
+        def counted(*args):
+            self.ops += 1
+            return fn(*args)
+
+        return counted
+
+
 def measure(cls, policy: str, slots: int, experts: int, rounds: list, check_at: int, repeats: int) -> dict:
     """The best of ``repeats`` fresh runs, figure by figure (the VM is shared: the least disturbed run); the
-    victim and insert figures from one more run with their timers (kept out of the others' figures)."""
-    runs = []
+    victim and insert figures and the heap operations from one more run with their counters (kept out of the
+    others' figures)."""
+    from pd_dflash.engine.reference import cache_plan
+
+    runs, heapq = [], cache_plan.heapq
     for timed in [False] * repeats + [True]:
         cache = make_cache(
             type(f"Timed{cls.__name__}", (Timed, cls), {}) if timed else cls, policy, slots, experts
         )
         fill(cache, experts)
+        cache_plan.heapq = CountingHeap(heapq) if timed else heapq
         try:
             runs.append(run(cache, rounds, check_at))
+            runs[-1]["heap_ops"] = cache_plan.heapq.ops / max(1, runs[-1]["misses"]) if timed else None
         finally:
+            cache_plan.heapq = heapq
             cache.close()
     assert all(r["check"] == runs[0]["check"] for r in runs)  # deterministic: the same victims every time
     best = {c: min(r[c] for r in runs[:-1]) for c in ("per_miss", "upkeep", "all")}
@@ -183,7 +205,8 @@ def main() -> int:
             f"{slots} slots: {LAYERS} layers × {experts} experts, 25 % cache, top-{TOP_K}, AR rounds; load average "
             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; a clock read costs {clock:.2f} µs. CPU µs: per miss "
             "(its acquire), of which the insert (transfer submit, entry: the data path), per victim, layer starts + "
-            "round ends per miss, every call per miss; scan ÷ index per miss; misses timed (index, scan); same victims"
+            "round ends per miss, every call per miss; scan ÷ index per miss; misses timed (index, scan); same victims; "
+            "the index's heap operations (push, pop, replace, heapify) per miss, every call included"
         )
         for policy in args.policies:
             index = measure(ExpertCache, policy, slots, experts, rounds, args.scan_rounds, args.repeats)
@@ -197,7 +220,7 @@ def main() -> int:
                 + "  | scan "
                 + " ".join(f"{scan[c]:8.1f}" for c in COLUMNS)
                 + f"  | {scan['per_miss'] / index['per_miss']:6.1f} ×  | {index['misses']:5d} {scan['misses']:5d}"
-                + f"  | {'yes' if agree else 'NO'}"
+                + f"  | {'yes' if agree else 'NO'}  | {index['heap_ops']:.1f}"
             )
             if not agree:
                 return 1
