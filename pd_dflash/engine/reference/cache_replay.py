@@ -19,7 +19,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
-from pd_dflash.engine.reference.cache_plan import RoundPlan
+from pd_dflash.engine.reference.cache_plan import Evictor, RoundPlan
 
 Key = tuple[int, int]
 Layer = tuple[int, Sequence[int], Sequence[int]]
@@ -38,37 +38,51 @@ def accesses(trace: Trace) -> list[tuple[int, int, Key]]:
 
 
 def replay(trace: Trace, slots: int, policy: str) -> int:
-    """Misses of ``policy`` on ``trace`` with a cache of ``slots`` experts (starting empty)."""
+    """Misses of ``policy`` on ``trace`` with a cache of ``slots`` experts (starting empty). LRU, LFU and the plan
+    evict through the engine's own ``Evictor`` (a key's stamp: its use count and its last access, which is also
+    its LRU position); Belady scans for the key needed latest."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if slots < 1:
         raise ValueError(f"a cache needs at least one slot, got {slots}")
     flat = accesses(trace)
     layer_ids = sorted({layer for rnd in trace for layer, _, _ in rnd})
-    plan = RoundPlan(layer_ids) if policy.startswith("plan") else None
+    plan = RoundPlan(layer_ids)
+    evictor = None if policy == "belady" else Evictor("plan" if policy.startswith("plan") else policy, plan)
     next_use = _next_uses(flat) if policy == "belady" else None
     resident: dict[Key, list[int]] = {}  # key -> [last use, use count]
     misses, pinned, where = 0, set(), None
     for t, (r, i, key) in enumerate(flat):
         if where != (r, i):
-            if plan is not None:
+            if evictor is not None:  # the last layer's keys are candidates again
+                for k in pinned & resident.keys():
+                    evictor.add(k, _stamp(resident[k]))
+            if policy.startswith("plan"):
                 _advance_plan(plan, trace, r, i, where, use_prediction=policy == "plan+prediction")
             where, pinned = (r, i), set()
-            if plan is not None:
+            if policy.startswith("plan"):
                 plan.layer_started(key[0], [(key[0], e) for e in trace[r][i][1]])
         if key not in resident:
             misses += 1
             if len(resident) >= slots:
-                candidates = [k for k in resident if k not in pinned] or [k for k in resident]
-                victim = _victim(policy, candidates, resident, plan, next_use)
+                victim = _victim(evictor, resident, pinned, next_use)
                 del resident[victim]
+                if evictor is not None:
+                    evictor.discard(victim)
             resident[key] = [t, 0]
+        elif evictor is not None:
+            evictor.hold(key)
         resident[key][0] = t
         resident[key][1] += 1
         pinned.add(key)
-        if plan is not None:
+        if policy.startswith("plan"):
             plan.record_use(key)
     return misses
+
+
+def _stamp(state: list[int]) -> tuple[int, int, int]:
+    last, uses = state
+    return (uses, last, last)
 
 
 def _advance_plan(plan: RoundPlan, trace: Trace, r: int, i: int, where, *, use_prediction: bool) -> None:
@@ -81,14 +95,16 @@ def _advance_plan(plan: RoundPlan, trace: Trace, r: int, i: int, where, *, use_p
         plan.predict((layer, e) for layer, _, predicted in trace[r] for e in predicted)
 
 
-def _victim(policy, candidates, resident, plan, next_use) -> Key:
-    if policy == "lru":
-        return min(candidates, key=lambda k: resident[k][0])
-    if policy == "lfu":
-        return min(candidates, key=lambda k: (resident[k][1], resident[k][0]))
-    if policy == "belady":
+def _victim(evictor: Evictor | None, resident: dict[Key, list[int]], pinned: set[Key], next_use) -> Key:
+    """The unpinned key the policy evicts; when every resident key is pinned (a layer needing more than the
+    cache holds), the one it evicts among them."""
+    if evictor is None:
+        candidates = [k for k in resident if k not in pinned] or list(resident)
         return max(candidates, key=lambda k: next_use[resident[k][0]])  # next use after its last access
-    return plan.choose([(k, resident[k][0]) for k in candidates], None)
+    victim = evictor.victim()
+    if victim is None:
+        victim = min(resident, key=lambda k: evictor.rank(k, _stamp(resident[k])))
+    return victim
 
 
 def _next_uses(flat: list[tuple[int, int, Key]]) -> list[float]:

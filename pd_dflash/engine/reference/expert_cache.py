@@ -4,7 +4,8 @@ Capacity is in bytes and becomes ``capacity // expert_nbytes`` slots preallocate
 can never exceed it. An entry is pinned while a step computes with it and cannot be evicted while its transfer
 is in flight. The default eviction, ``plan``, ranks victims by the round plan (``cache_plan.py``): what this
 round predicted (reservations: a prefetch names its key for the round), what it has already computed and what
-the last round used. Every access is classified at the moment compute asks for the expert:
+the last round used; the unpinned entries are kept in its ``Evictor`` by rank, so a victim costs O(log slots),
+not a scan. Every access is classified at the moment compute asks for the expert:
 
 - hit: resident and ready (its transfer, if any, has landed);
 - in-flight hit: in the cache but still on the link (an earlier prefetch): no new transfer, compute waits;
@@ -18,18 +19,16 @@ is the union of the transfers' spans on the host clock (``link.py``: one basis o
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
-from pd_dflash.engine.reference.cache_plan import RoundPlan
+from pd_dflash.engine.reference.cache_plan import POLICIES, Evictor, RoundPlan
 from pd_dflash.engine.reference.expert_store import HostExpertStore
 from pd_dflash.engine.reference.link import Link
 from pd_dflash.engine.reference.spans import SpanUnion
 
 Key = tuple[int, int]  # (layer, expert)
-POLICIES = ("plan", "lru", "lfu")
 
 
 @dataclass
@@ -75,6 +74,8 @@ class _Entry:
     pins: int = 0
     used: bool = False
     last_tick: int = 0
+    #: Position in LRU order: taken from the tick counter at insert and at every touch (the eviction tie-break).
+    seq: int = 0
     #: The last access found it resident and its transfer landed (a hit, not an in-flight hit or a miss).
     ready_at_access: bool = False
 
@@ -105,7 +106,7 @@ class ExpertCache:
         self.slot_views = [[b[i] for b in self.buffers] for i in range(self.num_slots)]
         # Storage == compute dtype: a slot's tensors are used as they are (no dequantization).
         self._direct = all(dt == self.compute_dtype for _, dt in self.store.spec)
-        self.entries: OrderedDict[Key, _Entry] = OrderedDict()  # LRU order: oldest first
+        self.entries: dict[Key, _Entry] = {}
         self.free = list(range(self.num_slots - 1, -1, -1))
         self.frequency: dict[Key, int] = {}
         self.inflight: list[_Entry] = []
@@ -113,6 +114,8 @@ class ExpertCache:
         self._tick = 0
         #: What the cache knows of the round it serves (every policy keeps it; ``plan`` evicts by it).
         self.plan = RoundPlan(self.store.layer_ids)
+        #: The unpinned entries by the policy's rank (those in flight are skipped until they land).
+        self.evictor = Evictor(self.policy, self.plan)
         #: Host-clock intervals of the link's completed transfers ``(start, end, nbytes, demand)`` and of compute
         #: waiting for a transfer ``(start, end)``, on both devices; BM4 and the link time from them.
         self.transfer_log: list[tuple[float, float, int, bool]] = []
@@ -150,12 +153,14 @@ class ExpertCache:
         (every slot pinned by this step): compute with what is pinned, release, then retry."""
         entry = self.entries.get(key)
         if entry is None:
-            slot = self._slot_for(demand=True, target=key)
+            slot = self._slot_for(demand=True)
             if slot is None:
                 return None
             entry = self._insert(key, slot, demand=True)
             self.counters.misses += 1
         else:
+            if entry.pins == 0:
+                self.evictor.hold(key)
             if entry.inserted_round < self.round:
                 self.counters.resident_at_round_start += 1
             entry.ready_at_access = entry.transfer is None or self.link.done(entry.transfer)
@@ -183,17 +188,24 @@ class ExpertCache:
         entry.pins -= 1
         if self.link is not None:
             self.link.record_use(entry.slot)
+            if entry.pins == 0:
+                self._offer(entry)
 
     def pin(self, key: Key) -> bool:
         """Keep a cached expert from eviction (e.g. route-ahead pins its predicted set across a verify)."""
         entry = self.entries.get(key)
         if entry is None:
             return False
+        if entry.pins == 0:
+            self.evictor.hold(key)
         entry.pins += 1
         return True
 
     def unpin(self, key: Key) -> None:
-        self.entries[key].pins -= 1
+        entry = self.entries[key]
+        entry.pins -= 1
+        if entry.pins == 0:
+            self._offer(entry)
 
     # -- prefetch side -------------------------------------------------------------------------------------------
     def prefetch(self, key: Key, *, speculative: bool = False) -> bool:
@@ -204,16 +216,21 @@ class ExpertCache:
         entry = self.entries.get(key)
         if entry is not None:
             self._touch(entry)
+            if entry.pins == 0:
+                self._offer(entry)
             self.plan.predict((key,))
             return True
         if self.link is None:
             return True  # resident: everything is cached
-        slot = self._slot_for(demand=False, target=key, speculative=speculative)
+        slot = self._slot_for(demand=False, speculative=speculative)
         if slot is None:
             self.counters.prefetch_dropped += 1
             return False
-        self._insert(key, slot, demand=False)
+        entry = self._insert(key, slot, demand=False)
         self.plan.predict((key,))
+        self._tick += 1
+        entry.seq = self._tick
+        self._offer(entry)
         return True
 
     def is_ready(self, key: Key) -> bool:
@@ -303,16 +320,26 @@ class ExpertCache:
 
     def _touch(self, entry: _Entry) -> None:
         self._tick += 1
-        entry.last_tick = self._tick
-        self.entries.move_to_end(entry.key)
+        entry.last_tick = entry.seq = self._tick
 
-    def _evictable(self, entry: _Entry) -> bool:
-        return entry.pins == 0 and (entry.transfer is None or self.link.done(entry.transfer))
+    def _offer(self, entry: _Entry) -> None:
+        """An unpinned entry becomes (again) a candidate for eviction, ranked as it is now."""
+        if self.link is not None:
+            self.evictor.add(entry.key, (self.frequency.get(entry.key, 0), entry.last_tick, entry.seq))
 
-    def _slot_for(self, demand: bool, target: Key, speculative: bool = False) -> int | None:
+    def _landed(self, key: Key) -> bool:
+        t = self.entries[key].transfer
+        return t is None or self.link.done(t)
+
+    def _victim(self, prefetch: bool, speculative: bool) -> _Entry | None:
+        """The entry to evict (None: nothing evictable, or nothing a prefetch may take)."""
+        key = self.evictor.victim(prefetch=prefetch, speculative=speculative, ready=self._landed)
+        return None if key is None else self.entries[key]
+
+    def _slot_for(self, demand: bool, speculative: bool = False) -> int | None:
         if self.free:
             return self.free.pop()
-        victim = self._victim(None if demand else target, speculative)
+        victim = self._victim(prefetch=not demand, speculative=speculative)
         if victim is None and demand:
             # Every unpinned slot is still being written by a prefetch: wait for the oldest, then take it.
             waiting = [e for e in self.inflight if e.pins == 0 and e.transfer is not None]
@@ -326,26 +353,12 @@ class ExpertCache:
             return None
         return self._evict(victim)
 
-    def _victim(self, prefetch_target: Key | None, speculative: bool = False) -> _Entry | None:
-        """The entry to evict (None: nothing evictable). ``prefetch_target``: the key a prefetch fetches (the plan
-        refuses to evict a reserved key for it); None for an on-demand fetch."""
-        if self.policy == "plan":
-            candidates = [(e.key, e.last_tick) for e in self.entries.values() if self._evictable(e)]
-            key = self.plan.choose(candidates, prefetch_target, speculative=speculative)
-            return None if key is None else self.entries[key]
-        if self.policy == "lru":
-            return next((e for e in self.entries.values() if self._evictable(e)), None)
-        candidates = [e for e in self.entries.values() if self._evictable(e)]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda e: (self.frequency.get(e.key, 0), e.last_tick))
-
     def _evict(self, entry: _Entry) -> int:
         if entry.transfer is not None:
-            self._harvest(entry)
-            self.inflight = [e for e in self.inflight if e is not entry]
+            self._harvest(entry)  # its transfer is None now: every reader of ``inflight`` skips it
         if entry.prefetched and not entry.used:
             self.counters.prefetch_unused_evicted_bytes += self.store.expert_nbytes
         self.counters.evictions += 1
         del self.entries[entry.key]
+        self.evictor.discard(entry.key)
         return entry.slot

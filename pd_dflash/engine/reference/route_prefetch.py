@@ -44,8 +44,9 @@ slot, never correctness.
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -94,7 +95,7 @@ class RouteAheadPrefetcher:
         self.history: dict[object, dict[int, frozenset[int]]] = {}
         #: The verified round's prediction per layer (what the statistics compare with the routing).
         self.predicted: dict[int, frozenset[int]] = {}
-        self._queue: set[Key] = set()
+        self._queue = IssueQueue(self.position)
         #: The confident keys of the round being verified, and of the pending blocks (None: to recompute after a
         #: router pass or a verify changed them; see ``_confident``).
         self._sure: set[Key] = set()
@@ -234,7 +235,7 @@ class RouteAheadPrefetcher:
                 if not b.prefill:
                     self._cut(b, cache)
             wanted = {k for rid in {*self.routes, *self.history} for k in self.keys(rid)}
-            self._queue &= wanted  # early keys of rows the cut dropped, not issued yet
+            self._queue.retain(wanted)  # early keys of rows the cut dropped, not issued yet
         for b in blocks:
             self._enqueue(self.keys(b.request.rid))
         self._pump(cache)
@@ -259,9 +260,7 @@ class RouteAheadPrefetcher:
         """Layer ``layer`` has acquired its experts and computes now: its unissued keys are moot (fetched on
         demand); keep the link busy with the next layers' keys."""
         self._routed[layer] = routed.detach()
-        late = {k for k in self._queue if self.position[k[0]] <= self.position[layer]}
-        self.counters["late"] += len(late)
-        self._queue -= late
+        self.counters["late"] += self._queue.drop_through(self.position[layer])
         self._pump(cache)
 
     def layer_done(self, cache, layer: int) -> None:
@@ -342,7 +341,7 @@ class RouteAheadPrefetcher:
 
     def _enqueue(self, keys) -> None:
         if self.issue:
-            self._queue |= set(keys)
+            self._queue.add(keys)
 
     def _confident(self) -> set[Key]:
         """Keys worth displacing a computed key for: an exact layer's, or predicted by both route-ahead and
@@ -367,20 +366,26 @@ class RouteAheadPrefetcher:
             return
         confident = self._confident()
         speculative_blocked = False  # a speculative prefetch found no unwanted slot: no later one will either
+        queue, kept = self._queue, []
         with nvtx_range("route_ahead_issue"):
-            for key in sorted(self._queue, key=lambda k: (self.position[k[0]], k[1])):
+            for i, item in enumerate(queue.order):
+                key = item[2]
                 cached = cache.contains(key)
                 sure = key in confident
                 if not sure and speculative_blocked and not cached:
+                    kept.append(item)
                     continue
                 if not cache.prefetch(key, speculative=not sure):
                     self.counters["waited_for_a_slot"] += 1
                     if sure:
-                        return
+                        kept += queue.order[i:]
+                        break
                     speculative_blocked = True
+                    kept.append(item)
                     continue
-                self._queue.discard(key)
+                queue.keys.discard(key)
                 self.counters["already_cached" if cached else "issued"] += 1
+        queue.order = kept
 
 
 def _union_per_layer(rows: list[set[Key]], layer_ids: Sequence[int]) -> dict[int, frozenset[int]]:
@@ -389,3 +394,40 @@ def _union_per_layer(rows: list[set[Key]], layer_ids: Sequence[int]) -> dict[int
         for layer, e in keys:
             out[layer].add(e)
     return {layer: frozenset(es) for layer, es in out.items()}
+
+
+class IssueQueue:
+    """The keys waiting to go on the link, kept in issue order (layer position, then expert) as they arrive, so a
+    pump walks them without sorting the queue: an add merges its new keys in (one C-level sort of an ordered list
+    and the new run, no Python key function), a started layer drops a prefix found by bisection."""
+
+    def __init__(self, position: dict[int, int]) -> None:
+        self.position = position
+        self.keys: set[Key] = set()
+        #: ``(layer position, expert, key)`` for exactly the keys of ``keys``, ascending.
+        self.order: list[tuple[int, int, Key]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+    def add(self, keys: Iterable[Key]) -> None:
+        new = [(self.position[k[0]], k[1], k) for k in set(keys) - self.keys]
+        if new:
+            self.keys.update(k for _, _, k in new)
+            self.order += new
+            self.order.sort()
+
+    def retain(self, wanted: set[Key]) -> None:
+        self.keys &= wanted
+        self.order = [item for item in self.order if item[2] in self.keys]
+
+    def drop_through(self, position: int) -> int:
+        """Drop the keys of the layers up to ``position`` (started: fetched on demand if routed); how many."""
+        cut = bisect.bisect_left(self.order, (position + 1,))
+        self.keys.difference_update(k for _, _, k in self.order[:cut])
+        del self.order[:cut]
+        return cut
+
+    def clear(self) -> None:
+        self.keys.clear()
+        self.order.clear()

@@ -7,7 +7,15 @@ import time
 
 import torch
 
-from pd_dflash.engine.reference.cache_plan import COMPUTED, HISTORY, NOT_WANTED, NOW, PREDICTED, RoundPlan
+from pd_dflash.engine.reference.cache_plan import (
+    COMPUTED,
+    HISTORY,
+    NOT_WANTED,
+    NOW,
+    PREDICTED,
+    Evictor,
+    RoundPlan,
+)
 from pd_dflash.engine.reference.cache_replay import clairvoyant_in_time, replay
 from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.link import HostLink
@@ -18,9 +26,27 @@ from tests.engine.reference.test_expert_cache import store
 CPU = torch.device("cpu")
 
 
+def with_history(plan: RoundPlan, keys: set) -> RoundPlan:
+    """A round that used exactly ``keys``, then ended: they are the plan's history."""
+    for layer in plan.layer_ids:
+        plan.layer_started(layer, [])
+        for key in sorted(k for k in keys if k[0] == layer):
+            plan.record_use(key)
+    plan.end_round()
+    assert plan.history == keys
+    return plan
+
+
+def choose(plan: RoundPlan, candidates, target, *, speculative: bool = False):
+    """The ``Evictor``'s victim among ``(key, last use tick)`` candidates (``target``: a prefetch's key)."""
+    evictor = Evictor("plan", plan)
+    for key, tick in candidates:
+        evictor.add(key, (0, tick, tick))
+    return evictor.victim(prefetch=target is not None, speculative=speculative)
+
+
 def test_eviction_order_follows_the_round():
-    plan = RoundPlan([0, 1, 2])
-    plan.history = {(0, 1), (2, 1), (2, 2)}
+    plan = with_history(RoundPlan([0, 1, 2]), {(0, 1), (2, 1), (2, 2)})
     plan.predict({(1, 0), (2, 0)})
     plan.layer_started(0, [(0, 0), (0, 1)])
     plan.record_use((0, 0))
@@ -38,27 +64,26 @@ def test_eviction_order_follows_the_round():
     order = []
     candidates = [(k, i) for i, k in enumerate(keys)]
     while candidates:
-        victim = plan.choose(candidates, None)
+        victim = choose(plan, candidates, None)
         order.append(victim)
         candidates = [(k, t) for k, t in candidates if k != victim]
     assert order == [(0, 2), (2, 3), (1, 0), (0, 1), (2, 1), (2, 0), (1, 3)]
 
 
 def test_a_prefetch_never_evicts_a_predicted_key_of_a_layer_still_to_run():
-    plan = RoundPlan([0, 1, 2])
-    plan.history = {(2, 1)}
+    plan = with_history(RoundPlan([0, 1, 2]), {(2, 1)})
     plan.predict({(1, 0), (2, 0)})
     only_predicted = [((1, 0), 0), ((2, 0), 1)]
-    assert plan.choose(only_predicted, (1, 5)) is None
-    assert plan.choose(only_predicted, None) == (2, 0)  # on demand: the farthest layer's, as a last resort
+    assert choose(plan, only_predicted, (1, 5)) is None
+    assert choose(plan, only_predicted, None) == (2, 0)  # on demand: the farthest layer's, as a last resort
     # Nor a key the last round used at a layer still to run (the round will likely need it again).
-    assert plan.choose([((2, 1), 0)], (1, 5)) is None
-    assert plan.choose([((2, 1), 0)], None) == (2, 1)
+    assert choose(plan, [((2, 1), 0)], (1, 5)) is None
+    assert choose(plan, [((2, 1), 0)], None) == (2, 1)
     # A speculative guess (the AR prefetcher's) displaces only what the plan does not want.
     plan.layer_started(0, [])
     plan.record_use((0, 3))
-    assert plan.choose([((0, 3), 0)], (1, 5)) == (0, 3)
-    assert plan.choose([((0, 3), 0)], (1, 5), speculative=True) is None
+    assert choose(plan, [((0, 3), 0)], (1, 5)) == (0, 3)
+    assert choose(plan, [((0, 3), 0)], (1, 5), speculative=True) is None
 
 
 def cyclic(rounds: int) -> list:
