@@ -53,7 +53,12 @@ def parse_address(text: str, source: str) -> Address:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     problem = None
-    if not sep or not host or any(c.isspace() or c in "/?#@" for c in host):
+    if value.startswith(("http://", "https://")):
+        problem = (
+            "an http(s) address is a dashboard's (for `ray job submit`), not a cluster's; expected HOST:PORT of "
+            "the head's GCS (for example 10.0.0.1:6379), ray://HOST:PORT or auto"
+        )
+    elif not sep or not host or any(c.isspace() or c in "/?#@" for c in host):
         problem = "expected HOST:PORT (for example 10.0.0.1:6379), ray://HOST:PORT or auto"
     elif not port_text.isdigit() or not 0 < int(port_text) < 65536:
         problem = f"the port must be a number from 1 to 65535, got {port_text!r}"

@@ -40,6 +40,11 @@ def test_a_malformed_address_is_named_with_its_source(text, source):
     assert err.value.where == source and f"malformed Ray cluster address {text!r}" in str(err.value)
 
 
+def test_a_dashboard_url_is_named_as_one():
+    with pytest.raises(InputError, match="an http\\(s\\) address is a dashboard's"):
+        parse_address("http://10.0.0.1:8265", "RAY_ADDRESS")
+
+
 @pytest.mark.parametrize(
     ("text", "endpoint"),
     [
