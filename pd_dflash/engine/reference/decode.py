@@ -9,15 +9,19 @@ each block needs. ``AutoregressiveDecoding`` proposes width-1 blocks and commits
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pd_dflash.engine.reference.families import MoEFamily
 from pd_dflash.engine.reference.kv_arena import (
+    ARENA_ATTENTION,
     ArenaCache,
     KVArena,
     KVRow,
@@ -112,6 +116,14 @@ class TargetModel:
                 f"attn_implementation {config._attn_implementation!r}"
             )
         self._eager = config._attn_implementation == "eager"
+        #: transformers' attention function of the model's implementation, which ``arena_attention`` calls per
+        #: block (eager: the family's own, gpt-oss's with its sinks).
+        attn = model.model.layers[0].self_attn
+        self._inner = (
+            vars(sys.modules[type(attn).__module__])["eager_attention_forward"]
+            if self._eager
+            else ALL_ATTENTION_FUNCTIONS["sdpa"]
+        )
         #: Each layer's attention window (None: full causal), as transformers' mask builders read the config.
         self.windows = attention_windows(config)
         #: Every request's KV cache: one preallocated arena (``kv_arena.py``), a row per request in flight.
@@ -154,19 +166,32 @@ class TargetModel:
     def _layout(self, blocks: Sequence[Block], layers: int) -> Layout:
         windows = set(self.windows[:layers])
         pinned = self.device.type == "cuda"
-        return build_layout(self.arena, blocks, windows, self._eager, pinned)
+        return build_layout(self.arena, blocks, windows, self._eager, pinned, self._inner)
+
+    @contextmanager
+    def _arena_attention(self):
+        """The model's attention modules look their attention function up in the config at every call: while the
+        engine drives them it is ``arena_attention`` (restored after, so the model's own ``generate`` is
+        untouched)."""
+        config = self.model.config
+        saved = config._attn_implementation_internal
+        config._attn_implementation_internal = ARENA_ATTENTION
+        try:
+            yield
+        finally:
+            config._attn_implementation_internal = saved
 
     def _attend(self, i: int, layer: nn.Module, h: torch.Tensor, rows: Layout) -> torch.Tensor:
-        """Layer ``i``'s attention in ONE call over every block of the round (padded rows, the arena as its KV
-        cache); returns the residual stream after it, over the concatenated rows."""
-        x = rows.pad(layer.input_layernorm(h))
+        """Layer ``i``'s attention in ONE call of its attention module over every block of the round (the arena
+        as its KV cache); returns the residual stream after it, over the concatenated rows."""
         attn = layer.self_attn(
-            hidden_states=x,
+            hidden_states=layer.input_layernorm(h),
             position_embeddings=rows.rope,
             attention_mask=rows.masks[self.windows[i]],
             cache=ArenaCache(self.arena, rows),
+            arena_layout=rows,
         )[0]
-        return h + rows.unpad(attn)
+        return h + attn
 
     @torch.no_grad()
     def forward(
@@ -191,6 +216,10 @@ class TargetModel:
         return self._run(blocks, capture, layers, keep_gate_inputs=True)
 
     def _run(self, blocks, capture, layers, *, keep_gate_inputs: bool):
+        with self._arena_attention():
+            return self._run_layers(blocks, capture, layers, keep_gate_inputs=keep_gate_inputs)
+
+    def _run_layers(self, blocks, capture, layers, *, keep_gate_inputs: bool):
         base = self.model.model
         upto = self.num_layers if layers is None else layers
         start = self._resume_layer(blocks, capture, upto, keep_gate_inputs)
@@ -227,8 +256,12 @@ class TargetModel:
     def _logits(self, h: torch.Tensor, blocks: Sequence[Block], rows: Layout) -> list[torch.Tensor]:
         """The LM head once over the rows every block needs (``logits_from`` on), split per block."""
         needed = h if rows.logit_rows is None else h.index_select(0, rows.logit_rows)
-        sizes = [len(b.tokens) - b.logits_from for b in blocks]
-        return list(self.model.lm_head(needed).split(sizes))
+        logits = self.model.lm_head(needed)
+        return (
+            [logits]
+            if len(blocks) == 1
+            else list(logits.split([len(b.tokens) - b.logits_from for b in blocks]))
+        )
 
     @torch.no_grad()
     def first_gate_inputs(
@@ -243,11 +276,12 @@ class TargetModel:
         rows = self._layout(blocks, layer + 1)
         h = base.embed_tokens(rows.ids)
         rows.rope = base.rotary_emb(h, rows.positions)
-        for i, dec in enumerate(base.layers[: layer + 1]):
-            h = self._attend(i, dec, h, rows)
-            gate = dec.post_attention_layernorm(h)
-            if i < layer:
-                h = h + self.family.mlp(dec.mlp, gate)
+        with self._arena_attention():
+            for i, dec in enumerate(base.layers[: layer + 1]):
+                h = self._attend(i, dec, h, rows)
+                gate = dec.post_attention_layernorm(h)
+                if i < layer:
+                    h = h + self.family.mlp(dec.mlp, gate)
         for b, (s, e) in zip(blocks, rows.spans, strict=True):
             b.prefix = Prefix(layer, h[0, s:e]) if keep else None
         return gate, h

@@ -1,5 +1,5 @@
-"""The target's KV cache as one preallocated arena, and the padded layout that runs a round's attention in ONE
-call per decoder layer over every block of the round (gpt-fast's static KV cache, batched across requests).
+"""The target's KV cache as one preallocated arena, and the layout that runs a round's attention as ONE call of
+each decoder layer's attention module over every block of the round (gpt-fast's static KV cache, batched).
 
 **Arena.** Per decoder layer one K and one V tensor ``[slots, kv_heads, max_len, head_dim]`` (transformers'
 ``[batch, heads, seq, dim]`` layout per slot); a request owns a slot (``KVRow``) while it is in flight. An entry
@@ -10,21 +10,27 @@ and every key in ``[cached, p]`` is written by the same forward before its atten
 its block rows first). The arena is sized once per cell (``reserve``: slots = concurrency, ``max_len`` = longest
 prompt + max_new_tokens + block) and grows (a copy, not per step) only if a caller goes beyond it.
 
-**Layout** (``Layout.build``, once per forward): the round's rows are concatenated ``[1, T, hidden]`` for the
-norms and the MoE block (padding never reaches the MoE: its routing and statistics see the real rows only) and
-padded ``[n, R, hidden]`` (n blocks, R = the longest) for attention. Ids, positions and every index are built on
-the host and copied to the device in ONE transfer (pinned on CUDA); the masks are built on the device once per
-forward and attention-window size (causal by position, sliding windows by their width, padding rows attend key
-0 only, so no row is fully masked). Transformers' own attention modules run on the padded rows with
-``ArenaCache`` as their ``cache``: q/k norms, RoPE, GQA and gpt-oss's sinks stay theirs.
+**Layout** (``build_layout``, once per forward): ids, positions and every index are built on the host and
+copied to the device in ONE transfer (pinned on CUDA); the masks are built on the device once per forward and
+attention window (causal by position; sliding windows by their width, transformers' rule). Each layer then runs
+transformers' own attention module ONCE over the round's concatenated rows ``[1, T, hidden]`` (projections,
+q/k norms, RoPE — and gpt-oss's sinks — stay theirs), with ``ArenaCache`` as its ``cache`` (one ``index_put_``
+per K and V writes every block's rows at their slots and positions) and ``arena_attention`` as its attention
+function: the softmax kernel itself runs per block on the block's exact query rows and KV length (strided views
+of the arena, no copy). That is what keeps the engine bit-identical to transformers' per-sequence attention:
+attention kernels tile by length (measured on CPU bf16: padding the keys of a query past the next multiple of 16
+changes its output bits), so ONE padded kernel call would change a bf16 model's greedy tokens with the batch's
+composition. There are no padding rows: the norms, the projections and the MoE block see the real rows only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
 
 
 def attention_windows(config) -> list[int | None]:
@@ -107,103 +113,94 @@ class KVArena:
 
 @dataclass
 class Layout:
-    """Where a round's rows sit: concatenated ``[1, T]`` and padded ``[n, R]``, on the device (built once)."""
+    """Where a round's rows sit (concatenated ``[1, T]``), on the device, built once per forward."""
 
-    ids: torch.Tensor  # [1, T] token ids, concatenated
-    positions: torch.Tensor  # [n, R] positions (padding: 0)
-    write_slots: torch.Tensor  # [n, R] arena slot each padded row is written to (padding: the spare slot)
-    write_positions: (
-        torch.Tensor
-    )  # [n, R] position it is written at (padding: its row index in the spare slot)
-    flat: torch.Tensor | None  # [T] padded index (j·R + r) of each concatenated row; None when no padding
-    read: slice | torch.Tensor  # the round's slots in block order (a slice when contiguous)
-    logit_rows: torch.Tensor | None  # [L] concatenated rows the LM head needs; None: all of them
+    ids: torch.Tensor  # [1, T] token ids
+    positions: torch.Tensor  # [1, T] positions in their requests
+    #: Arena index of each row's K/V entry, broadcast to ``[1, kv_heads, T]``: (slot, head, position).
+    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    slots: list[int]
     spans: list[tuple[int, int]]
-    kv_len: int
-    masks: dict[int | None, torch.Tensor]  # attention-window size (None: full causal) → [n, 1, R, kv_len]
+    #: Per block, its KV length after this forward (its cached positions + its rows).
+    kv_lens: list[int]
+    #: Attention window (None: full causal) → the mask of each block ``[1, 1, rows, kv_len]`` (one block: the
+    #: tensor itself), additive: what the model's attention implementation expects.
+    masks: dict[int | None, torch.Tensor | list[torch.Tensor]]
+    logit_rows: torch.Tensor | None  # [L] rows the LM head needs; None: all of them
+    #: transformers' attention function of the model's implementation (sdpa or the family's eager one).
+    inner: Callable
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.positions.shape)
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """``[1, T, h]`` → ``[n, R, h]`` (padding rows are zeros)."""
-        n, r = self.shape
-        if self.flat is None:
-            return x.view(n, r, x.shape[-1])
-        return x.new_zeros(n * r, x.shape[-1]).index_copy_(0, self.flat, x[0]).view(n, r, x.shape[-1])
-
-    def unpad(self, y: torch.Tensor) -> torch.Tensor:
-        """``[n, R, h]`` → ``[1, T, h]``: the real rows only."""
-        if self.flat is None:
-            return y.reshape(1, -1, y.shape[-1])
-        return y.reshape(-1, y.shape[-1]).index_select(0, self.flat)[None]
-
-
-def build_layout(arena: KVArena, blocks, windows: set[int | None], eager: bool, pinned: bool) -> Layout:
+def build_layout(
+    arena: KVArena, blocks, windows: set[int | None], eager: bool, pinned: bool, inner
+) -> Layout:
     """The round's layout from its blocks (``decode.Block``): one host→device copy, then the masks on device."""
     lens = [len(b.tokens) for b in blocks]
     starts = [b.request.cached for b in blocks]
     n, rows = len(blocks), max(lens)
-    kv_len = max(s + k for s, k in zip(starts, lens, strict=True))
-    arena.reserve(arena.slots, kv_len)  # beyond the cell's reservation only when a caller goes past it
-    spare = arena.slots  # the padding rows' writes land there
+    kv_lens = [s + k for s, k in zip(starts, lens, strict=True)]
+    if max(kv_lens) > arena.max_len:  # past the cell's reservation (a caller outside the step loop): grow
+        arena.reserve(arena.slots, max(max(kv_lens), 2 * arena.max_len))
     slots = [b.request.cache.slot for b in blocks]
     ids = [t for b in blocks for t in b.tokens]
-    positions, write_slots, write_positions, flat, spans, logit_rows, t = [], [], [], [], [], [], 0
-    for j, (b, s, k) in enumerate(zip(blocks, starts, lens, strict=True)):
-        positions += [*range(s, s + k), *[0] * (rows - k)]
-        write_slots += [slots[j]] * k + [spare] * (rows - k)
-        write_positions += [*range(s, s + k), *range(k, rows)]
-        flat += range(j * rows, j * rows + k)
+    positions, padded, write_slots, spans, logit_rows, t = [], [], [], [], [], 0
+    for b, s, k, slot in zip(blocks, starts, lens, slots, strict=True):
+        positions += range(s, s + k)
+        padded += [*range(s, s + k), *[0] * (rows - k)]
+        write_slots += [slot] * k
         spans.append((t, t + k))
         logit_rows += range(t + b.logits_from, t + k)
         t += k
-    contiguous = slots == list(range(slots[0], slots[0] + n))
-    uniform, all_logits = n * rows == t, len(logit_rows) == t
     host = torch.tensor(
-        [*ids, *positions, *write_slots, *write_positions, *flat, *slots, *logit_rows],
+        [*ids, *positions, *write_slots, *range(arena.kv_heads), *padded, *logit_rows],
         dtype=torch.long,
         pin_memory=pinned,
     )
     dev = host.to(arena.device, non_blocking=pinned)
-    parts = dev.split([t, n * rows, n * rows, n * rows, t, n, len(logit_rows)])
-    positions_t = parts[1].view(n, rows)
+    ids_t, pos_t, slots_t, heads_t, padded_t, logit_t = dev.split(
+        [t, t, t, arena.kv_heads, n * rows, len(logit_rows)]
+    )
+    masks = _masks(padded_t.view(n, rows), max(kv_lens), windows, arena.dtype, eager)
+    if n > 1:
+        per_block = list(enumerate(zip(lens, kv_lens, strict=True)))
+        masks = {w: [m[j : j + 1, :, :k, :kv] for j, (k, kv) in per_block] for w, m in masks.items()}
     return Layout(
-        ids=parts[0][None],
-        positions=positions_t,
-        write_slots=parts[2].view(n, rows),
-        write_positions=parts[3].view(n, rows),
-        flat=None if uniform else parts[4],
-        read=slice(slots[0], slots[0] + n) if contiguous else parts[5],
-        logit_rows=None if all_logits else parts[6],
+        ids=ids_t[None],
+        positions=pos_t[None],
+        write=(slots_t.view(1, 1, t), heads_t.view(1, -1, 1), pos_t.view(1, 1, t)),
+        slots=slots,
         spans=spans,
-        kv_len=kv_len,
-        masks=_masks(positions_t, kv_len, windows, arena.dtype if eager else None),
+        kv_lens=kv_lens,
+        masks=masks,
+        logit_rows=None if len(logit_rows) == t else logit_t,
+        inner=inner,
     )
 
 
-def _masks(positions: torch.Tensor, kv_len: int, windows, dtype) -> dict[int | None, torch.Tensor]:
-    """Per window: True (or 0.0 for eager attention, which adds it) where a query may attend a key: the key's
-    position is ≤ the query's and, for a sliding window w, > the query's − w (transformers' rule)."""
+def _masks(
+    positions: torch.Tensor, kv_len: int, windows, dtype, eager: bool
+) -> dict[int | None, torch.Tensor]:
+    """Per window, the additive mask ``[n, 1, R, kv_len]``: 0 where a query may attend a key — the key's
+    position is ≤ the query's and, for a sliding window w, > the query's − w (transformers' rule) — else
+    transformers' eager fill (the dtype's min) or −inf for SDPA (what SDPA makes of transformers' boolean mask)."""
     keys = torch.arange(kv_len, device=positions.device)
     q = positions[:, None, :, None]
     causal = keys <= q
+    zero = torch.zeros((), dtype=dtype, device=q.device)
+    fill = torch.finfo(dtype).min if eager else float("-inf")
     out = {}
     for w in windows:
         allowed = causal if w is None else causal & (keys > q - w)
-        if dtype is not None:
-            allowed = torch.where(
-                allowed, torch.zeros((), dtype=dtype, device=q.device), torch.finfo(dtype).min
-            )
-        out[w] = allowed
+        out[w] = torch.where(allowed, zero, fill)
     return out
 
 
 class ArenaCache:
     """The ``cache`` transformers' attention modules call: writes a layer's new K/V rows into the arena at their
-    slots and positions, and returns the round's padded K/V ``[n, kv_heads, kv_len, head_dim]``."""
+    slots and positions (one ``index_put_`` each), and returns each block's K/V window ``[1, kv_heads, kv_len,
+    head_dim]`` as a strided view of the arena (a list of them for several blocks, which ``arena_attention``
+    takes)."""
 
     def __init__(self, arena: KVArena, layout: Layout) -> None:
         self.arena, self.layout = arena, layout
@@ -215,7 +212,39 @@ class ArenaCache:
             (self.arena.keys[layer_idx], key_states),
             (self.arena.values[layer_idx], value_states),
         ):
-            store[lay.write_slots, :, lay.write_positions] = new.transpose(1, 2)
-            window = store[:, :, : lay.kv_len]
-            out.append(window[lay.read] if isinstance(lay.read, slice) else window.index_select(0, lay.read))
+            store.index_put_(lay.write, new)
+            stride, heads, dim = store.stride(), store.shape[1], store.shape[3]
+            views = [
+                store.as_strided((1, heads, kv, dim), stride, slot * stride[0])
+                for slot, kv in zip(lay.slots, lay.kv_lens, strict=True)
+            ]
+            out.append(views[0] if len(views) == 1 else views)
         return out[0], out[1]
+
+
+def arena_attention(module, query, key, value, attention_mask, *, arena_layout: Layout, **kwargs):
+    """The attention function the target runs under (``ARENA_ATTENTION``): transformers' own function of the
+    model's implementation, on each block's query rows (a strided view of the round's queries) and its exact KV
+    window; the outputs concatenated back to the round's rows ``[1, T, heads, head_dim]``."""
+    inner = arena_layout.inner
+    if isinstance(key, torch.Tensor):
+        return inner(module, query, key, value, attention_mask, **kwargs)
+    _, heads, _, dim = query.shape
+    stride, offset = query.stride(), query.storage_offset()
+    outs = [
+        inner(
+            module,
+            query.as_strided((1, heads, e - s, dim), stride, offset + s * stride[2]),
+            k,
+            v,
+            m,
+            **kwargs,
+        )[0]
+        for (s, e), k, v, m in zip(arena_layout.spans, key, value, attention_mask, strict=True)
+    ]
+    return torch.cat(outs, dim=1), None
+
+
+#: The name the target's attention modules look their attention function up by while the engine drives them.
+ARENA_ATTENTION = "pd_dflash_arena"
+AttentionInterface.register(ARENA_ATTENTION, arena_attention)
