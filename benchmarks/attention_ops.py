@@ -56,8 +56,14 @@ def main() -> None:
 
 def build(args):
     import torch
-    from transformers import GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        GptOssConfig,
+        GptOssForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     common = dict(
         vocab_size=512,

@@ -142,6 +142,9 @@ def build_layout(
     kv_lens = [s + k for s, k in zip(starts, lens, strict=True)]
     if max(kv_lens) > arena.max_len:  # past the cell's reservation (a caller outside the step loop): grow
         arena.reserve(arena.slots, max(max(kv_lens), 2 * arena.max_len))
+    missing = [b.request.rid for b in blocks if not isinstance(b.request.cache, KVRow)]
+    if missing:
+        raise ValueError(f"requests {missing} hold no KV arena row: give each one TargetModel.new_cache()")
     slots = [b.request.cache.slot for b in blocks]
     ids = [t for b in blocks for t in b.tokens]
     positions, padded, write_slots, spans, logit_rows, t = [], [], [], [], [], 0

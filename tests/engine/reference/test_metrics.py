@@ -44,6 +44,7 @@ def rounds() -> list[RoundRecord]:
             tokens=tokens,
             committed=committed,
             kv_bytes=kv,
+            kv_allocated_bytes=16384,
             prefill=prefill,
             draft_seconds=draft,
             router_seconds=router,
@@ -185,6 +186,11 @@ def test_expert_and_kv_occupancy_are_peaks_not_the_last_round():
     values, _ = headline(measurement())
     assert values["kv_occupancy_bytes"] == 12288.0  # round 1, not the last round's 2048
     assert values["expert_occupancy_bytes"] == 6000.0  # the counters' peak
+
+
+def test_the_kv_arena_reports_entries_in_use_and_its_allocation_apart():
+    facts = metrics.kv_cache_facts(rounds())
+    assert facts["in_use_bytes_peak"] == 12288 and facts["allocated_bytes_peak"] == 16384
 
 
 def test_coverage_and_waste_from_the_route_ahead_statistics():
