@@ -1,9 +1,9 @@
 """What one round feeds the target and how AR decoding commits: requests, blocks and the target forward.
 
 ``TargetModel`` drives a transformers MoE causal LM layer by layer over the blocks of a round: embeddings, then
-per decoder layer attention per request on its own KV cache and the MoE block ONCE over the concatenated tokens
-of all requests (the experts fetched are the union over the verified requests), then norm + LM head on the rows
-each block needs. ``AutoregressiveDecoding`` proposes width-1 blocks and commits one token per round
+per decoder layer ONE attention-module call over the concatenated rows of every block (each request's KV lives
+in a row of the preallocated KV arena, ``kv_arena.py``) and the MoE block ONCE over the same rows (the experts
+fetched are the union over the verified requests), then norm + LM head once over the rows the blocks need. ``AutoregressiveDecoding`` proposes width-1 blocks and commits one token per round
 (``speculative.py`` holds the speculative counterpart); the step loop that drives both is ``serving.py``.
 """
 
