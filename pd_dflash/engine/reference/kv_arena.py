@@ -65,7 +65,6 @@ class KVArena:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._free: list[int] = []
-        self.peak_allocated_bytes = 0
 
     @property
     def bytes_per_position(self) -> int:
@@ -74,30 +73,29 @@ class KVArena:
 
     @property
     def allocated_bytes(self) -> int:
-        """The arena's K/V tensors (the spare row included), whatever they hold."""
-        return (self.slots + 1) * self.max_len * self.bytes_per_position if self.keys else 0
+        """The arena's K/V tensors, whatever they hold."""
+        return self.slots * self.max_len * self.bytes_per_position
 
     def reserve(self, slots: int, max_len: int) -> None:
-        """Hold at least ``slots`` rows of ``max_len`` positions (one allocation; kept entries are copied). One
-        more physical row, the spare (index ``slots``), takes the padding rows' writes and is never handed out."""
+        """Hold at least ``slots`` rows of ``max_len`` positions (one allocation per layer; kept entries are
+        copied)."""
         slots, max_len = max(slots, self.slots), max(max_len, self.max_len)
         if (slots, max_len) == (self.slots, self.max_len):
             return
-        shape = (slots + 1, self.kv_heads, max_len, self.head_dim)
+        shape = (slots, self.kv_heads, max_len, self.head_dim)
         for tensors in (self.keys, self.values):
             for i in range(self.num_layers):
                 new = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 if len(tensors) == self.num_layers:
-                    new[: self.slots + 1, :, : self.max_len] = tensors[i]
+                    new[: self.slots, :, : self.max_len] = tensors[i]
                     tensors[i] = new
                 else:
                     tensors.append(new)
         self._free += range(self.slots, slots)
         self.slots, self.max_len = slots, max_len
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
 
     def acquire(self) -> KVRow:
-        """A free slot (the lowest, so a full round's slots are usually one contiguous range)."""
+        """A free slot (the lowest: deterministic, whatever order requests retired in)."""
         if not self._free:
             self.reserve(max(1, 2 * self.slots), max(self.max_len, 1))
         self._free.sort()
@@ -123,8 +121,12 @@ class Layout:
     spans: list[tuple[int, int]]
     #: Per block, its KV length after this forward (its cached positions + its rows).
     kv_lens: list[int]
-    #: Attention window (None: full causal) → the mask of each block ``[1, 1, rows, kv_len]`` (one block: the
-    #: tensor itself), additive: what the model's attention implementation expects.
+    #: Every block has as many rows and as long a KV as the others, in consecutive slots: ONE kernel call runs
+    #: them all, each batch element exactly its block (no padding anywhere).
+    lockstep: bool
+    #: Attention window (None: full causal) → the blocks' masks, additive (what the model's attention
+    #: implementation expects): ``[n, 1, rows, kv_len]`` for one block or blocks in lockstep, else one
+    #: ``[1, 1, rows, kv_len]`` per block.
     masks: dict[int | None, torch.Tensor | list[torch.Tensor]]
     logit_rows: torch.Tensor | None  # [L] rows the LM head needs; None: all of them
     #: transformers' attention function of the model's implementation (sdpa or the family's eager one).
@@ -165,7 +167,8 @@ def build_layout(
         [t, t, t, arena.kv_heads, n * rows, len(logit_rows)]
     )
     masks = _masks(padded_t.view(n, rows), max(kv_lens), windows, arena.dtype, eager)
-    if n > 1:
+    lockstep = len({*lens}) == len({*kv_lens}) == 1 and slots == list(range(slots[0], slots[0] + n))
+    if not lockstep:
         per_block = list(enumerate(zip(lens, kv_lens, strict=True)))
         masks = {w: [m[j : j + 1, :, :k, :kv] for j, (k, kv) in per_block] for w, m in masks.items()}
     return Layout(
@@ -175,6 +178,7 @@ def build_layout(
         slots=slots,
         spans=spans,
         kv_lens=kv_lens,
+        lockstep=lockstep,
         masks=masks,
         logit_rows=None if len(logit_rows) == t else logit_t,
         inner=inner,
@@ -201,9 +205,9 @@ def _masks(
 
 class ArenaCache:
     """The ``cache`` transformers' attention modules call: writes a layer's new K/V rows into the arena at their
-    slots and positions (one ``index_put_`` each), and returns each block's K/V window ``[1, kv_heads, kv_len,
-    head_dim]`` as a strided view of the arena (a list of them for several blocks, which ``arena_attention``
-    takes)."""
+    slots and positions (one ``index_put_`` each), and returns the blocks' K/V windows as strided views of the
+    arena: ``[n, kv_heads, kv_len, head_dim]`` for one block or blocks in lockstep, else a list of
+    ``[1, kv_heads, kv_len_j, head_dim]`` (which ``arena_attention`` takes)."""
 
     def __init__(self, arena: KVArena, layout: Layout) -> None:
         self.arena, self.layout = arena, layout
@@ -217,11 +221,16 @@ class ArenaCache:
         ):
             store.index_put_(lay.write, new)
             stride, heads, dim = store.stride(), store.shape[1], store.shape[3]
-            views = [
-                store.as_strided((1, heads, kv, dim), stride, slot * stride[0])
-                for slot, kv in zip(lay.slots, lay.kv_lens, strict=True)
-            ]
-            out.append(views[0] if len(views) == 1 else views)
+            if lay.lockstep:
+                size = (len(lay.slots), heads, lay.kv_lens[0], dim)
+                out.append(store.as_strided(size, stride, lay.slots[0] * stride[0]))
+                continue
+            out.append(
+                [
+                    store.as_strided((1, heads, kv, dim), stride, slot * stride[0])
+                    for slot, kv in zip(lay.slots, lay.kv_lens, strict=True)
+                ]
+            )
         return out[0], out[1]
 
 
@@ -230,10 +239,16 @@ def arena_attention(module, query, key, value, attention_mask, *, arena_layout: 
     model's implementation, on each block's query rows (a strided view of the round's queries) and its exact KV
     window; the outputs concatenated back to the round's rows ``[1, T, heads, head_dim]``."""
     inner = arena_layout.inner
-    if isinstance(key, torch.Tensor):
-        return inner(module, query, key, value, attention_mask, **kwargs)
-    _, heads, _, dim = query.shape
+    _, heads, total, dim = query.shape
     stride, offset = query.stride(), query.storage_offset()
+    if isinstance(key, torch.Tensor):
+        n = key.shape[0]
+        if n == 1:
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        rows = total // n  # blocks in lockstep: the round's rows as n batch elements
+        size, strides = (n, heads, rows, dim), (rows * stride[2], stride[1], stride[2], stride[3])
+        out = inner(module, query.as_strided(size, strides, offset), key, value, attention_mask, **kwargs)[0]
+        return out.reshape(1, total, heads, dim), None
     outs = [
         inner(
             module,

@@ -66,6 +66,22 @@ def test_one_batched_forward_gives_each_block_what_it_gets_alone(family, dtype):
             assert same(ka, kb) and same(va, vb)
 
 
+@pytest.mark.parametrize(("family", "dtype"), [("qwen3_moe", torch.bfloat16), ("gpt_oss", torch.bfloat16)])
+def test_blocks_in_lockstep_run_one_kernel_call_and_get_what_they_get_alone(family, dtype):
+    """Requests at the same position with blocks of the same width (equal prompt lengths: AR decode steps, or
+    verify blocks) share ONE kernel call as batch elements: still bit for bit what each gets alone (bf16)."""
+    target = target_of(family)
+    target.model.to(dtype)
+    target.arena = type(target.arena)(target.model, CPU)
+    prompts = [[(3 * j + 1) % 64 for j in range(20)], [(5 * j + 2) % 64 for j in range(20)]]
+    for tokens in ([[5], [6]], [[5, 1, 2, 3], [6, 7, 8, 9]]):
+        alone, together = prefilled(target, prompts), prefilled(target, prompts)
+        want = [target.forward([Block(r, t, 0)])[0][0] for r, t in zip(alone, tokens, strict=True)]
+        got, _ = target.forward([Block(r, t, 0) for r, t in zip(together, tokens, strict=True)])
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+
+
 def test_the_moe_block_sees_exactly_the_real_rows():
     """The MoE block (routing, expert statistics) sees exactly the round's real rows, blocks of any lengths."""
     target = target_of("qwen3_moe")
