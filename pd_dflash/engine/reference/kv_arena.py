@@ -17,7 +17,8 @@ transformers' own attention module ONCE over the round's concatenated rows ``[1,
 q/k norms, RoPE — and gpt-oss's sinks — stay theirs), with ``ArenaCache`` as its ``cache`` (one ``index_put_``
 per K and V writes every block's rows at their slots and positions) and ``arena_attention`` as its attention
 function: the softmax kernel itself runs per block on the block's exact query rows and KV length (strided views
-of the arena, no copy). That is what keeps the engine bit-identical to transformers' per-sequence attention:
+of the arena, no copy; blocks in lockstep — equal rows and KV lengths, consecutive slots — share one call as
+batch elements). That is what keeps the engine bit-identical to transformers' per-sequence attention:
 attention kernels tile by length (measured on CPU bf16: padding the keys of a query past the next multiple of 16
 changes its output bits), so ONE padded kernel call would change a bf16 model's greedy tokens with the batch's
 composition. There are no padding rows: the norms, the projections and the MoE block see the real rows only.
