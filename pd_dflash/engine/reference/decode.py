@@ -1,22 +1,34 @@
 """What one round feeds the target and how AR decoding commits: requests, blocks and the target forward.
 
 ``TargetModel`` drives a transformers MoE causal LM layer by layer over the blocks of a round: embeddings, then
-per decoder layer attention per request on its own KV cache and the MoE block ONCE over the concatenated tokens
-of all requests (the experts fetched are the union over the verified requests), then norm + LM head on the rows
-each block needs. ``AutoregressiveDecoding`` proposes width-1 blocks and commits one token per round
+per decoder layer ONE attention-module call over the concatenated rows of every block (each request's KV lives
+in a row of the preallocated KV arena, ``kv_arena.py``) and the MoE block ONCE over the same rows (the experts
+fetched are the union over the verified requests), then norm + LM head once over the rows the blocks need. ``AutoregressiveDecoding`` proposes width-1 blocks and commits one token per round
 (``speculative.py`` holds the speculative counterpart); the step loop that drives both is ``serving.py``.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from pd_dflash.engine.reference.families import MoEFamily, attention_masks
+from pd_dflash.engine.reference.families import MoEFamily
+from pd_dflash.engine.reference.kv_arena import (
+    ARENA_ATTENTION,
+    ArenaCache,
+    KVArena,
+    KVRow,
+    Layout,
+    attention_windows,
+    build_layout,
+)
 from pd_dflash.engine.reference.sampling import probabilities, sample
 from pd_dflash.engine.request_metrics import RequestTiming
 
@@ -29,8 +41,8 @@ class Request:
     #: Every end-of-sequence id of the target (``generation_config.eos_token_id`` may list several): any stops it.
     eos_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
-    cache: Any = None  # a transformers DynamicCache while in flight
-    cached: int = 0  # tokens in the KV cache (the next position)
+    cache: Any = None  # its KV arena row (``kv_arena.KVRow``) while in flight
+    cached: int = 0  # positions of the KV cache in use (the next position): rollback lowers it
     output: list[int] = field(default_factory=list)
     #: DFlash drafter context: the target's features at the last committed positions [ctx, F].
     features: torch.Tensor | None = None
@@ -79,12 +91,11 @@ class Block:
 @dataclass
 class Prefix:
     """What route-ahead's router pass computed for a block and the verify resumes from: the residual stream
-    after decoder layer ``layer``'s attention [rows, hidden], every layer's attention mask (built before the
-    block touched the KV cache), and the block's KV entries, left in layers ``0..layer`` of the request's cache."""
+    after decoder layer ``layer``'s attention [rows, hidden]; the block's KV entries stay in layers ``0..layer``
+    of the request's arena row, at the block's positions (past ``request.cached``: dropping them is free)."""
 
     layer: int
     residual: torch.Tensor
-    masks: list[Any]
 
 
 @dataclass
@@ -93,21 +104,31 @@ class Commit:
     kept_rows: int  # block rows whose work survives (the rest is rolled back)
 
 
-@dataclass
-class _Rows:
-    """Where each block's rows sit in a round's concatenated tokens, with their rotary terms and masks."""
-
-    spans: list[tuple[int, int]]
-    rope: tuple[torch.Tensor, torch.Tensor]
-    masks: list[Any]
-
-
 class TargetModel:
     """Drives a transformers MoE causal LM layer by layer over the blocks of a round (gpt-fast spirit)."""
 
     def __init__(self, model: nn.Module, family: MoEFamily, device: torch.device) -> None:
         self.model, self.family, self.device = model, family, device
-        self.num_layers = model.config.num_hidden_layers
+        config = model.config
+        self.num_layers = config.num_hidden_layers
+        if config._attn_implementation not in ("eager", "sdpa"):
+            raise ValueError(
+                f"the reference engine runs attention as 'eager' or 'sdpa', not the model's "
+                f"attn_implementation {config._attn_implementation!r}"
+            )
+        self._eager = config._attn_implementation == "eager"
+        #: transformers' attention function of the model's implementation, which ``arena_attention`` calls per
+        #: block (eager: the family's own, gpt-oss's with its sinks).
+        attn = model.model.layers[0].self_attn
+        self._inner = (
+            vars(sys.modules[type(attn).__module__])["eager_attention_forward"]
+            if self._eager
+            else ALL_ATTENTION_FUNCTIONS["sdpa"]
+        )
+        #: Each layer's attention window (None: full causal), as transformers' mask builders read the config.
+        self.windows = attention_windows(config)
+        #: Every request's KV cache: one preallocated arena (``kv_arena.py``), a row per request in flight.
+        self.arena = KVArena(model, device)
         #: How the host waits for compute (set per cell to the offload runtime's, which keeps the link's
         #: prefetch queue moving meanwhile); None: the compute stream alone.
         self.sync_hook = None
@@ -120,49 +141,58 @@ class TargetModel:
         elif self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def new_cache(self):
-        from transformers.cache_utils import DynamicCache
+    def reserve(self, requests: Sequence[Request], concurrency: int, block: int) -> None:
+        """Size the KV arena for a cell once: ``concurrency`` rows of the longest prompt + max_new_tokens +
+        ``block`` positions (the most a round can write past the committed tokens)."""
+        if requests:
+            longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+            self.arena.reserve(min(concurrency, len(requests)), longest + block)
 
-        return DynamicCache(config=self.model.config)
+    def new_cache(self) -> KVRow:
+        """A request's KV cache: a free arena row (``release_cache`` when the request leaves)."""
+        return self.arena.acquire()
 
-    def _spans_and_positions(self, blocks: Sequence[Block]) -> tuple[list[tuple[int, int]], torch.Tensor]:
-        """Each block's (start, end) in the concatenated rows, and the rows' positions in their requests."""
-        spans, start = [], 0
-        for b in blocks:
-            spans.append((start, start + len(b.tokens)))
-            start += len(b.tokens)
-        positions = torch.cat(
-            [torch.arange(b.request.cached, b.request.cached + len(b.tokens)) for b in blocks]
-        ).to(self.device)[None]
-        return spans, positions
+    def release_cache(self, row: KVRow) -> None:
+        self.arena.release(row)
 
-    def _embed(self, blocks: Sequence[Block], layers: int) -> tuple[torch.Tensor, _Rows]:
-        """Embeddings of the concatenated block tokens, with each block's span, rotary terms and masks."""
-        base = self.model.model
-        ids = torch.tensor([t for b in blocks for t in b.tokens], device=self.device)[None]
-        spans, positions = self._spans_and_positions(blocks)
-        h = base.embed_tokens(ids)
-        rope = base.rotary_emb(h, positions)
-        masks = [
-            attention_masks(self.model, h[:, s:e], b.request.cache, positions[:, s:e], layers=layers)
-            for b, (s, e) in zip(blocks, spans, strict=True)
-        ]
-        return h, _Rows(spans, rope, masks)
+    def kv_entries(self, request: Request, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's K and V entries of ``layer`` in use: ``[kv_heads, cached, head_dim]``."""
+        return self.arena.entries(request.cache, layer, request.cached)
 
-    def _attend(self, i: int, layer: nn.Module, h: torch.Tensor, blocks: Sequence[Block], rows: _Rows):
-        """Layer ``i``'s attention, per request on its own KV cache; returns the residual stream after it."""
-        x = layer.input_layernorm(h)
-        cos, sin = rows.rope
-        attn = [
-            layer.self_attn(
-                hidden_states=x[:, s:e],
-                position_embeddings=(cos[:, s:e], sin[:, s:e]),
-                attention_mask=rows.masks[j][i],
-                cache=b.request.cache,
-            )[0]
-            for j, (b, (s, e)) in enumerate(zip(blocks, rows.spans, strict=True))
-        ]
-        return h + (attn[0] if len(attn) == 1 else torch.cat(attn, dim=1))
+    def kv_bytes(self, requests: Sequence[Request]) -> int:
+        """Bytes of the KV entries the requests hold (positions in use × K + V bytes per position, every layer);
+        the arena's allocation is ``arena.allocated_bytes``."""
+        return sum(r.cached for r in requests) * self.arena.bytes_per_position
+
+    def _layout(self, blocks: Sequence[Block], layers: int) -> Layout:
+        windows = set(self.windows[:layers])
+        pinned = self.device.type == "cuda"
+        return build_layout(self.arena, blocks, windows, self._eager, pinned, self._inner)
+
+    @contextmanager
+    def _arena_attention(self):
+        """The model's attention modules look their attention function up in the config at every call: while the
+        engine drives them it is ``arena_attention`` (restored after, so the model's own ``generate`` is
+        untouched)."""
+        config = self.model.config
+        saved = config._attn_implementation_internal
+        config._attn_implementation_internal = ARENA_ATTENTION
+        try:
+            yield
+        finally:
+            config._attn_implementation_internal = saved
+
+    def _attend(self, i: int, layer: nn.Module, h: torch.Tensor, rows: Layout) -> torch.Tensor:
+        """Layer ``i``'s attention in ONE call of its attention module over every block of the round (the arena
+        as its KV cache); returns the residual stream after it, over the concatenated rows."""
+        attn = layer.self_attn(
+            hidden_states=layer.input_layernorm(h),
+            position_embeddings=rows.rope,
+            attention_mask=rows.masks[self.windows[i]],
+            cache=ArenaCache(self.arena, rows),
+            arena_layout=rows,
+        )[0]
+        return h + attn
 
     @torch.no_grad()
     def forward(
@@ -187,21 +217,28 @@ class TargetModel:
         return self._run(blocks, capture, layers, keep_gate_inputs=True)
 
     def _run(self, blocks, capture, layers, *, keep_gate_inputs: bool):
+        with self._arena_attention():
+            return self._run_layers(blocks, capture, layers, keep_gate_inputs=keep_gate_inputs)
+
+    def _run_layers(self, blocks, capture, layers, *, keep_gate_inputs: bool):
         base = self.model.model
         upto = self.num_layers if layers is None else layers
         start = self._resume_layer(blocks, capture, upto, keep_gate_inputs)
+        rows = self._layout(blocks, upto)
         if start is None:
-            h, rows = self._embed(blocks, upto)
-            start = -1
-        else:
-            h, rows = self._resume(blocks)
+            h, start = base.embed_tokens(rows.ids), -1
+        else:  # the kept residuals of the router pass
+            h = torch.cat([b.prefix.residual for b in blocks])[None]
+            for b in blocks:
+                b.prefix = None
+        rows.rope = base.rotary_emb(h, rows.positions)
         captured = {0: h} if 0 in capture else {}
         gate_inputs = {}
         for i, layer in enumerate(base.layers[:upto]):
             if i < start:
                 continue  # dense layers the router pass ran whole
             if i > start:  # layer ``start``'s attention: the router pass's
-                h = self._attend(i, layer, h, blocks, rows)
+                h = self._attend(i, layer, h, rows)
             mlp_in = layer.post_attention_layernorm(h)
             if keep_gate_inputs:
                 gate_inputs[i] = mlp_in
@@ -211,12 +248,21 @@ class TargetModel:
         h = base.norm(h)
         if self.num_layers in capture and upto == self.num_layers:
             captured[self.num_layers] = h
-        logits = []
-        for b, (s, e) in zip(blocks, rows.spans, strict=True):
+        logits = self._logits(h[0], blocks, rows)
+        for b in blocks:
             b.request.cached += len(b.tokens)
-            logits.append(self.model.lm_head(h[0, s + b.logits_from : e]))
         self.synchronize()
         return logits, captured, gate_inputs
+
+    def _logits(self, h: torch.Tensor, blocks: Sequence[Block], rows: Layout) -> list[torch.Tensor]:
+        """The LM head once over the rows every block needs (``logits_from`` on), split per block."""
+        needed = h if rows.logit_rows is None else h.index_select(0, rows.logit_rows)
+        logits = self.model.lm_head(needed)
+        return (
+            [logits]
+            if len(blocks) == 1
+            else list(logits.split([len(b.tokens) - b.logits_from for b in blocks]))
+        )
 
     @torch.no_grad()
     def first_gate_inputs(
@@ -224,34 +270,27 @@ class TargetModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The EXACT MoE input of decoder layer ``layer`` for every row of the blocks, and the residual stream
         there, without touching a routed expert: layers before it run whole (they must be dense), layer
-        ``layer`` runs its attention only. Without ``keep`` the KV entries this writes are rolled back; with it
-        they stay and each block keeps a ``Prefix`` the verify resumes from (no work done twice). Returns
-        ``([1, T, h] gate input, [1, T, h] residual)`` over the concatenated rows."""
+        ``layer`` runs its attention only. The KV entries this writes sit past ``request.cached`` (so they are
+        dead unless kept); with ``keep`` each block keeps a ``Prefix`` the verify resumes from (no work done
+        twice). Returns ``([1, T, h] gate input, [1, T, h] residual)`` over the concatenated rows."""
         base = self.model.model
-        h, rows = self._embed(blocks, self.num_layers if keep else layer + 1)
-        for i, dec in enumerate(base.layers[: layer + 1]):
-            h = self._attend(i, dec, h, blocks, rows)
-            gate = dec.post_attention_layernorm(h)
-            if i < layer:
-                h = h + self.family.mlp(dec.mlp, gate)
-        for j, b in enumerate(blocks):
-            s, e = rows.spans[j]
-            if keep:
-                b.prefix = Prefix(layer, h[0, s:e], rows.masks[j])
-            else:
-                self._crop_prefix_layers(b, layer)
+        rows = self._layout(blocks, layer + 1)
+        h = base.embed_tokens(rows.ids)
+        rows.rope = base.rotary_emb(h, rows.positions)
+        with self._arena_attention():
+            for i, dec in enumerate(base.layers[: layer + 1]):
+                h = self._attend(i, dec, h, rows)
+                gate = dec.post_attention_layernorm(h)
+                if i < layer:
+                    h = h + self.family.mlp(dec.mlp, gate)
+        for b, (s, e) in zip(blocks, rows.spans, strict=True):
+            b.prefix = Prefix(layer, h[0, s:e]) if keep else None
         return gate, h
 
     def release_prefix(self, block: Block) -> None:
-        """Drop a block's kept router-pass work (its KV entries leave layers 0..prefix.layer): the block changed
-        (cut to fewer rows) or is verified with blocks that have none."""
-        if block.prefix is not None:
-            self._crop_prefix_layers(block, block.prefix.layer)
-            block.prefix = None
-
-    def _crop_prefix_layers(self, block: Block, layer: int) -> None:
-        for cached_layer in block.request.cache.layers[: layer + 1]:
-            cached_layer.crop(-len(block.tokens))
+        """Drop a block's kept router-pass work (the block changed — cut to fewer rows — or is verified with
+        blocks that have none): its KV entries past ``request.cached`` are dead already, the verify rewrites them."""
+        block.prefix = None
 
     def _resume_layer(self, blocks, capture, upto: int, keep_gate_inputs: bool) -> int | None:
         """The layer a full forward can resume at (every block kept the same prefix and nothing before it is
@@ -264,16 +303,6 @@ class TargetModel:
         for b in blocks:
             self.release_prefix(b)
         return None
-
-    def _resume(self, blocks: Sequence[Block]) -> tuple[torch.Tensor, _Rows]:
-        """The kept residuals concatenated, with rotary terms for the block positions and the kept masks."""
-        base = self.model.model
-        h = torch.cat([b.prefix.residual for b in blocks])[None]
-        spans, positions = self._spans_and_positions(blocks)
-        rows = _Rows(spans, base.rotary_emb(h, positions), [b.prefix.masks for b in blocks])
-        for b in blocks:
-            b.prefix = None
-        return h, rows
 
 
 class AutoregressiveDecoding:

@@ -88,35 +88,3 @@ def family_of(config) -> MoEFamily:
 
 def num_experts(config) -> int:
     return int(getattr(config, "num_experts", None) or config.num_local_experts)
-
-
-def attention_masks(
-    model: nn.Module, x: torch.Tensor, cache, position_ids: torch.Tensor, layers: int | None = None
-) -> list:
-    """One attention mask per decoder layer (the first ``layers`` only, when given) for a request's block,
-    built exactly as the HF model forward builds it (must be called before this round's cache update)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    config = model.config
-    kwargs = {
-        "config": config,
-        "inputs_embeds": x,
-        "attention_mask": None,
-        "cache": cache,
-        "position_ids": position_ids,
-    }
-    layers = config.num_hidden_layers if layers is None else layers
-    if config.model_type == "gpt_oss":
-        kwargs.pop("position_ids")  # GptOssModel.forward builds its masks without position ids
-        builders = {
-            "full_attention": create_causal_mask,
-            "sliding_attention": create_sliding_window_causal_mask,
-        }
-        by_type = {t: builders[t](**kwargs) for t in set(config.layer_types[:layers])}
-        return [by_type[config.layer_types[i]] for i in range(layers)]
-    fn = (
-        create_causal_mask
-        if getattr(config, "sliding_window", None) is None
-        else create_sliding_window_causal_mask
-    )
-    return [fn(**kwargs)] * layers

@@ -267,6 +267,7 @@ def engine_facts(m: CellMeasurement, committed: list[int], overlap: dict[str, An
         # Same prompts, same tokens: offloading must not change outputs (equal digests at equal output lengths).
         "output_digest": hashlib.sha256(json.dumps([r.output for r in m.requests]).encode()).hexdigest()[:16],
         "batch": batch_facts(m.rounds),
+        "kv_cache": kv_cache_facts(m.rounds),
         "expert_cache": expert_cache_facts(rt, m.elapsed, sum(r.timing.tokens for r in m.requests)),
     }
 
@@ -282,6 +283,16 @@ def batch_facts(rounds: list[RoundRecord]) -> dict[str, Any]:
         "tokens_per_forward_mean": sum(rec.tokens for rec in rounds) / len(rounds),
         "idle_scheduling_steps": sum(rec.idle_steps for rec in rounds),
         "issue_seconds": sum(rec.issue_seconds for rec in rounds),
+    }
+
+
+def kv_cache_facts(rounds: list[RoundRecord]) -> dict[str, Any]:
+    """The target's KV arena: the peak of the entries in use (the ``kv_occupancy_bytes`` metric) and of what the
+    arena allocated (every row × its capacity, whatever it holds)."""
+    return {
+        "in_use_bytes_peak": max(rec.kv_bytes for rec in rounds),
+        "allocated_bytes_peak": max(rec.kv_allocated_bytes for rec in rounds),
+        "counts": "in use: positions held × layers × 2 × kv_heads × head_dim × element size",
     }
 
 

@@ -12,12 +12,13 @@ A step (``run_requests``):
    the deficit schedulers). A step that admits nothing runs no forward (an idle step, no time passes);
 5. ``hooks.begin_round`` — the prefetch hook (the AR prefetcher issues the first layer; route-ahead issues the
    predicted experts of every layer, layer-pipelined);
-6. the target forward (``TargetModel.forward``, ``target_verify``): embeddings, then per decoder layer attention
-   per request on its own KV cache and the MoE block ONCE over the concatenated tokens of all requests (the
-   experts fetched are the union over the verified requests), then norm + LM head on the rows each block needs;
-7. ``decoding.commit`` — the accept rule: committed tokens and kept rows (rejected rows are rolled back out of
-   the request's KV cache);
-8. ``hooks.end_round(kept_spans)``; finished requests leave and free their KV cache.
+6. the target forward (``TargetModel.forward``, ``target_verify``): embeddings, then per decoder layer ONE
+   attention call over every block (padded rows, each request's row of the KV arena) and the MoE block ONCE over
+   the concatenated tokens of all requests (the experts fetched are the union over the verified requests), then
+   norm + LM head on the rows each block needs;
+7. ``decoding.commit`` — the accept rule: committed tokens and kept rows (rejected rows are rolled back: the
+   request's KV length drops, ``kv_arena.py``);
+8. ``hooks.end_round(kept_spans)``; finished requests leave and free their KV arena row.
 
 A round is a step that ran a forward; its record carries the draft, router, issue and verify times and their
 wall-clock windows (the link's transfers are compared against them: the BM4 overlap).
@@ -49,7 +50,10 @@ class RoundRecord:
     tokens: int
     #: Committed tokens per verified block, and which blocks were prefills (not verify rounds).
     committed: list[int]
+    #: Bytes of the KV entries in use by the requests in flight (positions × K + V bytes per position).
     kv_bytes: int
+    #: Bytes the KV arena has allocated (every row × its capacity, whatever it holds).
+    kv_allocated_bytes: int = 0
     prefill: list[bool] = field(default_factory=list)
     draft_seconds: float = 0.0
     router_seconds: float = 0.0
@@ -87,15 +91,6 @@ class AdmitAll:
         return {"kind": self.name}
 
 
-def kv_bytes(cache) -> int:
-    total = 0
-    for layer in getattr(cache, "layers", ()):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total
-
-
 def run_requests(
     target: TargetModel,
     requests: Sequence[Request],
@@ -110,6 +105,7 @@ def run_requests(
 
     Each step admits, proposes and schedules; a step whose schedule is empty is idle (it runs no forward), the
     others run one round. A round's record covers every step since the previous round's."""
+    target.reserve(requests, concurrency, getattr(decoding, "block_size", 1))
     loop = _Serving(target, requests, concurrency, decoding, hooks, scheduler or AdmitAll(), clock)
     rounds: list[RoundRecord] = []
     start, idle, windows = None, 0, []
@@ -141,12 +137,10 @@ class _Serving:
         self.step = 0
 
     def admit(self, now: float) -> None:
-        """Waiting requests enter until ``concurrency`` are in flight, each with a fresh KV cache."""
+        """Waiting requests enter until ``concurrency`` are in flight, each with a KV arena row of its own."""
         while self.waiting and len(self.active) < self.concurrency:
             request = self.waiting.popleft()
             request.cache, request.admitted_at = self.target.new_cache(), now
-            if self.decoding.speculative:
-                request.cache.activate_past_recording()  # sliding-window layers must be able to roll back
             self.active.append(request)
 
     def propose(self) -> list[tuple[str, float, float]]:
@@ -195,7 +189,7 @@ class _Serving:
         finished = [r for r in self.active if r.done]
         self.hooks.end_round(kept_spans=spans, finished={r.rid for r in finished})
         end = self.clock()
-        kv = sum(kv_bytes(r.cache) for r in self.active)
+        kv = self.target.kv_bytes(self.active)
         self._retire(batch, finished, end)
         return RoundRecord(
             start=start,
@@ -205,6 +199,7 @@ class _Serving:
             tokens=rows,
             committed=[c.committed for c in commits],
             kv_bytes=kv,
+            kv_allocated_bytes=self.target.arena.allocated_bytes,
             prefill=[b.prefill for b in batch],
             draft_seconds=_window_seconds(windows, "draft"),
             router_seconds=_window_seconds(windows, "router"),
@@ -227,11 +222,12 @@ class _Serving:
         return commits, spans, row
 
     def _retire(self, batch: list[Block], finished: list[Request], end: float) -> None:
-        """Stamp first tokens; finished requests leave and free their KV cache and drafter context."""
+        """Stamp first tokens; finished requests leave and free their KV arena row and drafter context."""
         for b in batch:
             if b.request.first_token_at is None and b.request.output:
                 b.request.first_token_at = end
         for r in finished:
+            self.target.release_cache(r.cache)
             r.finished_at, r.cache, r.features = end, None, None
             self.active.remove(r)
             self.pending.pop(r.rid, None)

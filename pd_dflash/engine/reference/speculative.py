@@ -1,6 +1,7 @@
 """Speculative decoding on the decode loop's seams: a drafter proposes ``[anchor, d1 .. d_{B−1}]`` per request,
 one batched width-B target forward verifies every block, the accept rule commits a prefix plus the bonus token,
-and the rejected rows are rolled back out of the request's KV cache (``cache.crop(-n)``).
+and the rejected rows are rolled back: the request's KV length drops (``request.cached -= n``; the KV arena
+stores entries at their positions, so entries past the length are dead, ``kv_arena.py``).
 
 Two drafters:
 
@@ -10,7 +11,7 @@ Two drafters:
   resident: it is small and dense and owns no routed expert.
 - ``EarlyExitDrafter``: the first d target layers + the target's final norm and LM head, drafting
   autoregressively for B−1 steps on the request's own KV cache (those d layers' entries are rolled back
-  before the verify). Its MoE layers fetch experts through the device cache like any access (they count as
+  before the verify: the length drops back). Its MoE layers fetch experts through the device cache like any access (they count as
   accesses, but feed neither the prediction statistics nor the AR prefetcher).
 
 Both also leave the route-ahead proxy on the block (``Block.route_hidden`` / ``Block.gate_inputs``; the choice of
@@ -71,9 +72,7 @@ class SpeculativeDecoding:
         if stop is not None:  # the first token that is any of the eos ids ends the request
             committed = committed[: stop + 1]
         r.output.extend(committed)
-        rejected = len(block.tokens) - kept
-        r.cache.crop(-rejected)  # also trims sliding-window layers back to their window (crop(0) included)
-        r.cached -= rejected
+        r.cached -= len(block.tokens) - kept  # the rejected rows' KV entries are dead past the length
         self.drafter.observe(r, {i: h[:kept] for i, h in captured.items()})
         return Commit(committed=len(committed), kept_rows=kept)
 
@@ -141,7 +140,7 @@ class EarlyExitDrafter:
     """Self-drafting with the first ``layers`` target layers + the target head, on the request's KV cache.
 
     Drafts B−1 tokens autoregressively (one batched d-layer forward per step), then rolls those layers' KV
-    entries back, so the verify sees the cache as before. With ``route_ahead`` it feeds one more step (the last
+    entries back (the request's length drops back), so the verify sees the cache as before. With ``route_ahead`` it feeds one more step (the last
     draft), which gives the EXACT gate inputs of the first d layers for every verify row (the verify recomputes
     the same values) and the layer-d output as the proxy of the deeper layers.
     """
@@ -196,9 +195,9 @@ class EarlyExitDrafter:
                         tokens[r.rid].append(int(sample(q, r.generator)))
                     else:
                         tokens[r.rid].append(int(row.float().argmax()))
-        for r in requests:  # roll the drafted entries back out of the first d layers
-            for layer in r.cache.layers[: self.layers]:
-                layer.crop(-steps)
+        for (
+            r
+        ) in requests:  # roll the drafted entries back out of the first d layers (the verify rewrites them)
             r.cached -= steps
         out = []
         for r in requests:

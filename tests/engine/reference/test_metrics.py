@@ -44,6 +44,7 @@ def rounds() -> list[RoundRecord]:
             tokens=tokens,
             committed=committed,
             kv_bytes=kv,
+            kv_allocated_bytes=16384,
             prefill=prefill,
             draft_seconds=draft,
             router_seconds=router,
@@ -187,6 +188,11 @@ def test_expert_and_kv_occupancy_are_peaks_not_the_last_round():
     assert values["expert_occupancy_bytes"] == 6000  # the counters' peak
     # byte counts are whole numbers and stay ints (a float here reaches the row file and the matrix)
     assert all(type(values[m]) is int for m in ("kv_occupancy_bytes", "expert_occupancy_bytes"))
+
+
+def test_the_kv_arena_reports_entries_in_use_and_its_allocation_apart():
+    facts = metrics.kv_cache_facts(rounds())
+    assert facts["in_use_bytes_peak"] == 12288 and facts["allocated_bytes_peak"] == 16384
 
 
 def test_coverage_and_waste_from_the_route_ahead_statistics():

@@ -16,7 +16,7 @@ What one draft computes (the official ``dflash`` package's ``DFlashDraftModel``,
 The drafter KV holds the context rows of every committed position (cache index = position). Each draft writes
 its new context rows and the block rows, attends, and crops the block rows again, as the official loop does, so
 rejected drafts never enter the KV. The linear layers run once over the rows of all c requests; attention runs
-per request on its own KV (the reference engine's target does the same).
+per request on its own KV (the target's verify batches its attention instead: ``kv_arena.py``).
 """
 
 from __future__ import annotations
