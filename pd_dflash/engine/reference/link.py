@@ -22,7 +22,9 @@ here emulates the same):
 
 **The interface** (both links; ``ExpertCache`` is the only caller besides the runtime's ``synchronize``):
 
-- ``submit(dst, src, nbytes, demand, after=slot) -> Transfer``: copy ``src`` into ``dst`` (slot ``after``).
+- ``submit(dst, src, nbytes, demand, after=slot, land=None) -> Transfer``: copy ``src`` into ``dst`` (slot
+  ``after``), then run ``land()`` (the cache's dequantisation into its slot pool; on CUDA on the copy stream, before
+  the transfer's end event), so a transfer has landed only once its slot holds compute weights.
 - ``promote(t)``: as above. ``wait(t)`` promotes a queued ``t`` itself.
 - ``done(t) -> bool``: ``t`` has landed. Remembered on the transfer after the first True (no repeated event
   queries, e.g. by LFU's scan). A transfer still in the host queue is not done.
@@ -33,7 +35,7 @@ here emulates the same):
 - ``synchronize(event=None)``: the host blocks until compute has finished (or ``event``), never the whole
   device; prefetches keep flowing from the host queue meanwhile; takes a new time reference.
 - ``span(t) -> (start, end)`` and ``seconds(t)``: a landed transfer's link interval on the host clock.
-- ``record_use(slot)``: compute reading ``slot`` has been enqueued.
+- ``record_use(slots)``: compute reading ``slots`` (one slot or a list) has been enqueued.
 - ``harvest_exposed(spans=None) -> float``: compute stalls measured since the last call and complete now
   (seconds; their intervals are appended to ``spans``). The CPU link returns 0.0 (``wait`` returned them).
 - ``pending() -> dict``: transfers queued on the host, on the prefetch stream, on the demand stream.
@@ -69,6 +71,7 @@ class Transfer:
         "end_event",
         "gate",
         "issued",
+        "land",
         "nbytes",
         "promoted",
         "ref",
@@ -81,7 +84,9 @@ class Transfer:
         "work",
     )
 
-    def __init__(self, nbytes: int, demand: bool, dst, src, seq: int, slot: int | None, submitted: float):
+    def __init__(
+        self, nbytes: int, demand: bool, dst, src, seq: int, slot: int | None, submitted: float, land=None
+    ):
         self.nbytes, self.demand, self.dst, self.src, self.seq, self.slot = (
             nbytes,
             demand,
@@ -91,6 +96,7 @@ class Transfer:
             slot,
         )
         self.submitted = submitted
+        self.land = land  # run after the copy (the cache's dequantisation into the slot pool), or None
         #: Left the host queue (on a stream); re-issued on the demand stream by ``promote``.
         self.issued = self.promoted = False
         #: Landed, remembered after the first positive query.
@@ -106,7 +112,9 @@ def _copy(t: Transfer) -> None:
     with nvtx_range("expert_h2d"):
         for d, s in zip(t.dst, t.src, strict=True):
             d.copy_(s)
-    t.dst = t.src = None
+        if t.land is not None:
+            t.land()
+    t.dst = t.src = t.land = None
 
 
 class HostLink:
@@ -152,9 +160,17 @@ class HostLink:
             }
         return {"link": "host memcpy (CPU, not emulated)"}
 
-    def submit(self, dst: list[torch.Tensor], src: list[torch.Tensor], nbytes: int, demand: bool, after=None):
+    def submit(
+        self,
+        dst: list[torch.Tensor],
+        src: list[torch.Tensor],
+        nbytes: int,
+        demand: bool,
+        after=None,
+        land=None,
+    ):
         now = self._clock()
-        t = Transfer(nbytes, demand, dst, src, next(self._seq), after, now)
+        t = Transfer(nbytes, demand, dst, src, next(self._seq), after, now, land)
         if not self.gbps:
             t.start = now
             _copy(t)
@@ -214,7 +230,7 @@ class HostLink:
     def harvest_exposed(self, spans: list | None = None) -> float:
         return 0.0  # CPU waits are returned by ``wait`` where they happen
 
-    def record_use(self, slot: int) -> None:
+    def record_use(self, slots) -> None:
         pass  # CPU compute has finished reading a slot when it returns
 
     def pending(self) -> dict[str, int]:
