@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pd_dflash.engine.reference import host_sync
 from pd_dflash.engine.reference.families import MoEFamily, attention_masks
 from pd_dflash.engine.reference.sampling import probabilities, sample
 from pd_dflash.engine.request_metrics import RequestTiming
@@ -299,5 +300,5 @@ class AutoregressiveDecoding:
 def next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
     """Greedy (T = 0) or sampled next token from one row of logits."""
     if temperature > 0:
-        return int(sample(probabilities(logits, temperature), generator))
-    return int(logits.float().argmax())
+        return int(host_sync.item("token", sample(probabilities(logits, temperature), generator)))
+    return int(host_sync.item("token", logits.float().argmax()))

@@ -170,6 +170,14 @@ class HostExpertStore:
         """Bytes of one expert's compute tensors (what a dequantised slot holds on the device)."""
         return sum(_numel(shape) * _element_size(dt) for shape, dt in self.compute_spec(dtype))
 
+    def device_slot_nbytes(self, dtype: torch.dtype, *, linked: bool) -> int:
+        """Device bytes one cache slot takes: the stored bytes (when the pool views them, or as the landing
+        buffer of an offloaded cache), plus the dequantised weights when the storage is not the compute format."""
+        meta = [torch.empty((1, *shape), dtype=dt, device="meta") for shape, dt in self.spec]
+        if self.compute_views(meta, dtype) is not None:
+            return self.expert_nbytes
+        return (self.expert_nbytes if linked else 0) + self.compute_nbytes(dtype)
+
     def compute_views(self, buffers: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor] | None:
         """The slot pool as compute tensors ``[slots, ...]`` viewing the stored-format ``buffers`` (one per
         ``spec`` entry) when the storage IS the compute format (nothing to dequantise); else None."""

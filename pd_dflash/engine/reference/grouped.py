@@ -4,17 +4,19 @@ The device expert cache is a slot pool (``ExpertCache.pool``: one ``[slots, ...]
 a device-side ``(layer, expert) → slot`` table (``ExpertCache.slot_table``, −1 = absent). Per MoE layer
 (``LayerCompute``, the idea of transformers' ``grouped_mm_experts_forward`` over slots instead of experts):
 
-1. the (token, k) pairs, flattened k-major, get their slot by ONE gather from the table row of the layer;
+1. each token's experts in ascending id order (one sort of ``[tokens, k]``), the pairs flattened token-major,
+   get their slot by ONE gather from the table row of the layer;
 2. ONE stable sort by slot; group offsets by ``histc`` + ``cumsum`` over ALL slots (empty groups cost nothing;
    no ``torch.unique``, so no host sync and nothing data-dependent on the host);
 3. the family's expert function (``families.py``) with one grouped GEMM per projection (``torch._grouped_mm``)
    — or, where the device/dtype/strides lack it, the named fallback ``gathered_bmm``: each pair's weights
    gathered by slot and one ``bmm`` (gpt-fast's ``w1[expert_indices]``), recorded in the row's
    ``engine.expert_compute``;
-4. routing weights multiplied; the pair outputs are placed per token in ascending expert order and summed in that
-   order, exactly like the eager experts module's ``index_add_`` per expert: outputs are bit-identical to it
-   (the stable sort keeps each expert's rows in the eager ``torch.where`` order), whatever slot each expert
-   occupies, so every configuration of a cell gives the same tokens.
+4. routing weights multiplied; the pair outputs go back to their token's row (one ``index_copy_``) and are summed
+   per token in ascending expert order, the eager experts module's ``index_add_`` order. The GEMMs and that sum
+   are the eager ones bit for bit; CPU elementwise kernels (SiLU, sigmoid) may round an element differently
+   depending on where it falls in a vector, so outputs agree with the eager module to fp32 rounding (tested,
+   with equal greedy tokens against transformers' ``generate``), whatever slot each expert occupies.
 
 A cache smaller than a layer's union computes it in chunks (``compute(experts)``: pairs of other experts go to a
 sentinel group past the last slot, which the GEMMs skip, and are written to a dump row); the per-token sum runs
@@ -83,15 +85,13 @@ class LayerCompute:
         )
         self.tokens, self.top_k = top_k_index.shape
         self.num_slots = pool[0].shape[0]
-        # k-major: entry i is (top-k position i // tokens, token i % tokens), the eager torch.where order.
-        self.pair_expert = top_k_index.T.reshape(-1)
-        # Where each pair's output goes: row token·k + (rank of its expert among the token's, ascending).
-        rank = top_k_index.argsort(dim=1).argsort(dim=1)
-        base = torch.arange(0, self.tokens * self.top_k, self.top_k, device=hidden.device)
-        self.pair_dest = (base[:, None] + rank).T.reshape(-1)
-        self.out = torch.empty(
-            self.tokens * self.top_k + 1, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device
-        )
+        # Each token's experts in ascending id order (the eager accumulation order), flattened token-major:
+        # pair i is (token i // k, i-th smallest expert of it) and its output goes to row i.
+        experts, order = top_k_index.sort(dim=1)
+        self.pair_expert = experts.reshape(-1)
+        self.pair_weight = top_k_weights.gather(1, order).reshape(-1)
+        rows = self.tokens * self.top_k
+        self.out = torch.empty(rows + 1, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
 
     def compute(self, experts: list[int] | None = None) -> None:
         """The pairs of ``experts`` (None: every pair; their slots must all be in the table)."""
@@ -108,14 +108,11 @@ class LayerCompute:
             slot.float() if slot.device.type == "cpu" else slot.int(), bins=bins, min=0, max=bins
         )
         offsets = counts[:n].cumsum(0, dtype=torch.int32)
-        token = perm % self.tokens
-        x = self.hidden[token]
+        x = self.hidden[perm // self.top_k]
         safe = slot if experts is None else slot.clamp(max=n - 1)
         y = self.fn(x, self.pool, self._matmul(offsets, safe), safe)
-        y = y * self.weights[token, perm // self.tokens, None]
-        dest = self.pair_dest[perm]
-        if experts is not None:
-            dest = torch.where(slot < n, dest, self.tokens * self.top_k)  # sentinel rows: the dump row
+        y = y * self.pair_weight[perm, None]
+        dest = perm if experts is None else torch.where(slot < n, perm, self.tokens * self.top_k)  # dump row
         self.out.index_copy_(0, dest, y.to(self.out.dtype))
 
     def finish(self) -> torch.Tensor:

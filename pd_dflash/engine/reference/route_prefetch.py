@@ -50,6 +50,7 @@ from collections.abc import Sequence
 import torch
 
 from pd_dflash.engine.nvtx_ranges import nvtx_range
+from pd_dflash.engine.reference import host_sync
 from pd_dflash.engine.reference.decode import Block, TargetModel
 from pd_dflash.engine.reference.verify_width import CostAwareWidth, new_bytes_per_row
 
@@ -206,7 +207,9 @@ class RouteAheadPrefetcher:
                 for j, (s, e) in enumerate(spans):
                     if exact[j] is not None:
                         x[s:e] = exact[j]
-            ids = self.routers[layer](x)[2].tolist()  # [rows, k] router indices (Qwen3-MoE, Mixtral, gpt-oss)
+            ids = host_sync.tolist(
+                "router_pass", self.routers[layer](x)[2]
+            )  # [rows, k] router indices (Qwen3-MoE, Mixtral, gpt-oss)
             for j, (s, e) in enumerate(spans):
                 for i in range(e - s):
                     rows[j][i].update((layer, int(x)) for x in ids[s + i])

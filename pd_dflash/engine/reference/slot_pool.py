@@ -45,7 +45,7 @@ class SlotPool:
         )
         #: ``grouped_mm`` or the named fallback (``grouped.py``): the row's ``engine.expert_compute``.
         self.expert_compute = expert_compute_kind(self.pool)
-        self.device_slot_nbytes = slot_device_nbytes(store, dtype, linked=linked)
+        self.device_slot_nbytes = store.device_slot_nbytes(dtype, linked=linked)
 
     def weights(self, slot: int) -> list[torch.Tensor]:
         """One slot's compute tensors (views of the pool)."""
@@ -77,12 +77,3 @@ class SlotPool:
     def _dequantize_into(self, slot: int, stored: list[torch.Tensor]) -> None:
         for dst, w in zip(self.weights(slot), self.store.dequantize(stored, self.dtype), strict=True):
             dst.copy_(w)
-
-
-def slot_device_nbytes(store: HostExpertStore, dtype: torch.dtype, *, linked: bool) -> int:
-    """Device bytes one cache slot takes: the stored bytes (when the pool views them, or as the landing buffer of
-    an offloaded cache), plus the dequantised compute weights when the storage is not the compute format."""
-    meta = [torch.empty((1, *shape), dtype=dt, device="meta") for shape, dt in store.spec]
-    if store.compute_views(meta, dtype) is not None:
-        return store.expert_nbytes
-    return (store.expert_nbytes if linked else 0) + store.compute_nbytes(dtype)
