@@ -196,7 +196,7 @@ class RouteAheadPrefetcher:
         rows: list[list[set[Key]]] = [[set() for _ in range(e - s)] for s, e in spans]
         if not blocks:
             return rows
-        stacked = None
+        stacked, routed = None, []
         for layer in layers:
             exact = [b.gate_inputs.get(layer) for b in blocks]
             if all(x is not None for x in exact):
@@ -207,9 +207,11 @@ class RouteAheadPrefetcher:
                 for j, (s, e) in enumerate(spans):
                     if exact[j] is not None:
                         x[s:e] = exact[j]
-            ids = host_sync.tolist(
-                "router_pass", self.routers[layer](x)[2]
-            )  # [rows, k] router indices (Qwen3-MoE, Mixtral, gpt-oss)
+            routed.append(self.routers[layer](x)[2])  # [rows, k] router indices (Qwen3-MoE, Mixtral, gpt-oss)
+        if not routed:
+            return rows
+        every = host_sync.tolist("router_pass", torch.stack(routed))  # one host read for every layer
+        for layer, ids in zip(layers, every, strict=True):
             for j, (s, e) in enumerate(spans):
                 for i in range(e - s):
                     rows[j][i].update((layer, int(x)) for x in ids[s + i])

@@ -256,3 +256,20 @@ def test_cuda_grouped_experts_and_landing_dequant_match_the_cpu_without_host_syn
         want = per_expert(family, experts.to(device), cache, layer, hidden, top_k_index, top_k_weights)
         assert needed and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
         cache.close()
+
+
+def test_the_counter_reports_syncs_per_round_and_per_token():
+    counter = host_sync.HostSyncCounter()
+    counter.by_site.update({"routing": 6, "forward_end": 3, "token": 3})
+    assert counter.facts(rounds=3, generated_tokens=4) == {
+        "total": 12,
+        "per_round": 4.0,
+        "per_generated_token": 3.0,
+        "by_site": {"forward_end": 3, "routing": 6, "token": 3},
+    }
+    assert counter.facts(0, 0)["per_round"] is None and counter.facts(0, 0)["per_generated_token"] is None
+    before = host_sync.COUNTER.total
+    with host_sync.uncounted():  # the drain after the timed loop
+        host_sync.wait("slot_wait", lambda: None)
+    assert host_sync.COUNTER.total == before
+    assert host_sync.item("token", torch.tensor(7)) == 7 and host_sync.COUNTER.total == before + 1
