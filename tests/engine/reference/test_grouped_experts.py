@@ -273,3 +273,21 @@ def test_the_counter_reports_syncs_per_round_and_per_token():
         host_sync.wait("slot_wait", lambda: None)
     assert host_sync.COUNTER.total == before
     assert host_sync.item("token", torch.tensor(7)) == 7 and host_sync.COUNTER.total == before + 1
+
+
+def test_a_layer_whose_slots_are_all_pinned_says_so():
+    model = tiny_model("qwen3_moe")
+    _, store = offloaded(model)
+    cache = ExpertCache(store, 2 * store.expert_nbytes, CPU, torch.float32, policy="lru", link=HostLink())
+    rt = OffloadRuntime(store, cache)
+    layer = store.layer_ids[0]
+    for e in (0, 1):  # another layer's experts hold both slots (e.g. route-ahead's pins)
+        cache.prefetch((store.layer_ids[1], e))
+        assert cache.pin((store.layer_ids[1], e))
+    with pytest.raises(RuntimeError, match="every slot is pinned"):
+        rt.run_layer(layer, torch.tensor([[2, 3]]), lambda experts, whole: None)
+    cache.unpin((store.layer_ids[1], 0))  # one slot: the layer's two experts go in two chunks
+    chunks = []
+    rt.run_layer(layer, torch.tensor([[2, 3]]), lambda experts, whole: chunks.append((experts, whole)))
+    assert chunks == [([2], False), ([3], False)]
+    cache.close()
