@@ -291,3 +291,14 @@ def test_a_layer_whose_slots_are_all_pinned_says_so():
     rt.run_layer(layer, torch.tensor([[2, 3]]), lambda experts, whole: chunks.append((experts, whole)))
     assert chunks == [([2], False), ([3], False)]
     cache.close()
+
+
+def test_a_large_cpu_pool_takes_the_gathered_bmm():
+    """torch's CPU grouped GEMM loops over every slot's group, empty ones included: beyond
+    ``CPU_GROUPED_MM_MAX_SLOTS`` slots the CPU computes the pairs with the named fallback."""
+    small = [torch.empty(grouped.CPU_GROUPED_MM_MAX_SLOTS, 32, 16)]
+    large = [torch.empty(grouped.CPU_GROUPED_MM_MAX_SLOTS + 1, 32, 16)]
+    misaligned = [torch.empty(4, 32, 3)]  # a 12-byte row stride: not a 16-byte multiple
+    assert grouped.expert_compute_kind(small) == GROUPED_MM
+    assert grouped.expert_compute_kind(large) == GATHERED_BMM
+    assert grouped.expert_compute_kind(misaligned) == GATHERED_BMM
