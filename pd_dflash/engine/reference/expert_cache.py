@@ -290,7 +290,7 @@ class ExpertCache:
         transfer = self.link.submit(
             self.slots.slot_views[slot], self.store.payload(*key), nbytes, demand, after=slot, land=land
         )
-        self.slots.table[key] = slot
+        self.slots.set(key, slot)
         entry = _Entry(key, slot, transfer, inserted_round=self.round, prefetched=not demand)
         self.entries[key] = entry
         self.inflight.append(entry)
@@ -366,6 +366,6 @@ class ExpertCache:
         if entry.prefetched and not entry.used:
             self.counters.prefetch_unused_evicted_bytes += self.store.expert_nbytes
         self.counters.evictions += 1
-        self.slots.table[entry.key] = -1
+        self.slots.set(entry.key, -1)
         del self.entries[entry.key]
         return entry.slot

@@ -76,21 +76,18 @@ class LayerCompute:
         hidden: torch.Tensor,
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
-        table_row: torch.Tensor,
-        pool: list[torch.Tensor],
+        slots,
+        layer: int,
         fn: GroupedFn,
-        kind: str,
+        kind: str | None = None,
     ) -> None:
-        self.hidden, self.weights, self.table_row, self.pool, self.fn, self.kind = (
-            hidden,
-            top_k_weights,
-            table_row,
-            pool,
-            fn,
-            kind,
-        )
+        """``slots``: the cache's ``SlotPool`` (its table is read at each ``compute``, after the layer's fetches);
+        ``kind``: ``grouped_mm`` / ``gathered_bmm`` (default: the pool's)."""
+        self.hidden, self.weights, self.slots, self.layer, self.fn = hidden, top_k_weights, slots, layer, fn
+        self.pool = slots.pool
+        self.kind = kind or slots.expert_compute
         self.tokens, self.top_k = top_k_index.shape
-        self.num_slots = pool[0].shape[0]
+        self.num_slots = self.pool[0].shape[0]
         # Each token's experts in ascending id order (the eager accumulation order), flattened token-major:
         # pair i is (token i // k, i-th smallest expert of it) and its output goes to row i.
         experts, order = top_k_index.sort(dim=1)
@@ -101,10 +98,11 @@ class LayerCompute:
 
     def compute(self, experts: list[int] | None = None) -> None:
         """The pairs of ``experts`` (None: every pair; their slots must all be in the table)."""
-        slot = self.table_row[self.pair_expert]
+        table_row = self.slots.table[self.layer]
+        slot = table_row[self.pair_expert]
         n = self.num_slots
         if experts is not None:
-            member = torch.zeros(self.table_row.shape[0], dtype=torch.bool)
+            member = torch.zeros(table_row.shape[0], dtype=torch.bool)
             member[experts] = True
             member = to_device(member, slot.device)[self.pair_expert]
             slot = torch.where(member, slot, n)  # the sentinel group, past the last slot

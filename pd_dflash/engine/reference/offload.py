@@ -199,10 +199,7 @@ class OffloadRuntime:
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, fn
     ) -> torch.Tensor:
         """Layer ``layer``'s routed experts over the slot pool (``OffloadedExperts.forward``)."""
-        slots = self.cache.slots
-        moe = LayerCompute(
-            hidden, top_k_index, top_k_weights, slots.table[layer], slots.pool, fn, slots.expert_compute
-        )
+        moe = LayerCompute(hidden, top_k_index, top_k_weights, self.cache.slots, layer, fn)
         if self.cache.resident:
             start = time.perf_counter()
             moe.compute()

@@ -7,8 +7,9 @@
   bytes and there is nothing else. Otherwise (fp8, MXFP4) each landing is dequantised ONCE into the pool slot
   (``lander``: the transfer's step after its copy; on CUDA it runs on the copy stream, so no host sync), and a
   resident cache (B3) dequantises every expert at load through a one-expert temporary (no buffers kept).
-- ``table``: ``[layer, expert] → slot`` on the device (−1 = absent), written by the cache on every insert and
-  eviction and by ``place_layer`` at the resident load; a MoE layer reads its slots with one gather.
+- ``table``: ``[layer, expert] → slot`` on the device (−1 = absent). The cache records every insert and eviction
+  with ``set`` (on the host); the writes since the last read reach the device as ONE ``index_put_`` when the table
+  is next read (a MoE layer's compute), so a layer's fetches cost one small host→device copy, not an op each.
 
 Device bytes per slot (``device_slot_nbytes``) are reported as they are; the cache's capacity counts stored bytes
 (``expert_cache.py``).
@@ -22,6 +23,7 @@ import torch
 
 from pd_dflash.engine.reference.expert_store import HostExpertStore
 from pd_dflash.engine.reference.grouped import expert_compute_kind
+from pd_dflash.engine.reference.host_sync import to_device
 
 
 class SlotPool:
@@ -40,12 +42,28 @@ class SlotPool:
         else:
             spec = store.compute_spec(dtype)
             self.pool = [torch.empty((num_slots, *shape), dtype=dt, device=device) for shape, dt in spec]
-        self.table = torch.full(
+        self._table = torch.full(
             (max(store.layer_ids) + 1, store.num_experts), -1, dtype=torch.long, device=device
         )
+        self._writes: dict[tuple[int, int], int] = {}  # (layer, expert) → slot, not yet on the device
         #: ``grouped_mm`` or the named fallback (``grouped.py``): the row's ``engine.expert_compute``.
         self.expert_compute = expert_compute_kind(self.pool)
         self.device_slot_nbytes = store.device_slot_nbytes(dtype, linked=linked)
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The device table, current: pending writes applied first (one host→device copy, one op)."""
+        if self._writes:
+            n = self.store.num_experts
+            where = torch.tensor([layer * n + e for layer, e in self._writes], dtype=torch.long)
+            slots = torch.tensor(list(self._writes.values()), dtype=torch.long)
+            self._writes = {}
+            self._table.view(-1).index_put_((to_device(where, self.device),), to_device(slots, self.device))
+        return self._table
+
+    def set(self, key: tuple[int, int], slot: int) -> None:
+        """``key`` now lives in ``slot`` (−1: evicted)."""
+        self._writes[key] = slot
 
     def weights(self, slot: int) -> list[torch.Tensor]:
         """One slot's compute tensors (views of the pool)."""
@@ -69,7 +87,7 @@ class SlotPool:
     def place_layer(self, layer: int, first_slot: int) -> None:
         """The resident load put ``layer``'s experts in consecutive slots from ``first_slot``."""
         n = self.store.num_experts
-        self.table[layer] = torch.arange(first_slot, first_slot + n, device=self.device)
+        self._table[layer] = torch.arange(first_slot, first_slot + n, device=self.device)
 
     def close(self) -> None:
         self.buffers, self.slot_views, self.pool = [], [], []

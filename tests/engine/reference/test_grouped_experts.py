@@ -86,14 +86,7 @@ def test_grouped_compute_equals_the_per_expert_path(family_name, kind):
     top_k_index = torch.rand(tokens, n, generator=g).argsort(dim=-1)[:, :k]
     top_k_weights = torch.rand(tokens, k, generator=g)
     want = per_expert(family, experts, cache, 1, hidden, top_k_index, top_k_weights)
-    args = (
-        hidden,
-        top_k_index,
-        top_k_weights,
-        cache.slots.table[1],
-        cache.slots.pool,
-        family.grouped_fn(experts),
-    )
+    args = (hidden, top_k_index, top_k_weights, cache.slots, 1, family.grouped_fn(experts))
     whole = LayerCompute(*args, kind)
     whole.compute()
     assert torch.allclose(whole.finish(), want, rtol=1e-5, atol=1e-7)
@@ -243,8 +236,7 @@ def test_cuda_grouped_experts_and_landing_dequant_match_the_cpu_without_host_syn
             needed = cached
             for entry in entries:
                 cache.ready(entry)
-        args = (hidden, top_k_index, top_k_weights, cache.slots.table[layer], cache.slots.pool)
-        moe = LayerCompute(*args, family.grouped_fn(experts), cache.slots.expert_compute)
+        moe = LayerCompute(hidden, top_k_index, top_k_weights, cache.slots, layer, family.grouped_fn(experts))
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
