@@ -283,16 +283,18 @@ class OffloadRuntime:
         if copy is None:
             return
         deferred, host = copy
-        flat, offset = host.numpy(), 0
+        flat, offset = host.numpy(), 0  # numpy from here on: host bookkeeping dispatches no torch op
         for layer, routing, observe, start, end in deferred:
             n = routing.numel()
-            rows = torch.from_numpy(flat[offset : offset + n].reshape(tuple(routing.shape)))
+            rows = flat[offset : offset + n].reshape(tuple(routing.shape))
             offset += n
             self._account_resident(layer, rows, observe, start, end)
 
-    def _account_resident(self, layer: int, routing: torch.Tensor, observe: bool, start: float, end: float):
-        """What ``run_layer`` does on the host for a layer whose experts were all resident."""
-        needed = np.unique(routing.numpy()).tolist()
+    def _account_resident(self, layer: int, routing: np.ndarray, observe: bool, start: float, end: float):
+        """What ``run_layer`` does on the host for a layer whose experts were all resident (``routing``: the
+        layer's ``[tokens, k]`` ids as a host array; the statistics and the AR prefetcher read it as they read
+        the offloaded layers' host tensor)."""
+        needed = np.unique(routing).tolist()
         predicted = self._observe(layer, needed, routing) if observe else frozenset()
         entries = []
         for e in needed:
