@@ -245,6 +245,10 @@ def test_cuda_grouped_experts_and_landing_dequant_match_the_cpu_without_host_syn
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert cache.slots.expert_compute == GROUPED_MM
+        for e in needed:  # each slot holds its expert as the CPU dequantises it (the landing step was right)
+            stored = store.dequantize(store.payload(layer, e), torch.bfloat16)
+            for on_device, on_cpu in zip(cache.weights(cache.entries[(layer, e)]), stored, strict=True):
+                assert torch.allclose(on_device.cpu().float(), on_cpu.float(), rtol=1e-2, atol=1e-3)
         want = per_expert(family, experts.to(device), cache, layer, hidden, top_k_index, top_k_weights)
         assert needed and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
         cache.close()
