@@ -31,7 +31,6 @@ import torch
 
 from pd_dflash.engine.reference.cache_plan import RoundPlan
 from pd_dflash.engine.reference.expert_store import HostExpertStore
-from pd_dflash.engine.reference.host_sync import uncounted
 from pd_dflash.engine.reference.slot_pool import SlotPool
 from pd_dflash.engine.reference.spans import SpanUnion
 
@@ -253,10 +252,9 @@ class ExpertCache:
 
     def drain(self) -> None:
         """Wait for every transfer in flight, then collect (a clean boundary between warm-up and timing)."""
-        with uncounted():  # after the timed loop (or warm-up): not a decode-path sync
-            for entry in self.inflight:
-                if entry.transfer is not None:
-                    self.link.host_wait(entry.transfer)
+        for entry in self.inflight:
+            if entry.transfer is not None:
+                self.link.host_wait(entry.transfer)
         self.collect()
 
     def reset_counters(self) -> None:

@@ -6,9 +6,10 @@ and GPU time then add instead of overlapping, so the engine keeps them few and c
 site's count in ``COUNTER`` — on the CPU too (nothing really waits there), so a CPU row predicts the syncs of the
 same configuration on CUDA. Sites: ``forward_end`` (the host waits for a target forward or a draft; a resident
 forward's routing comes back inside this wait, one transfer for all its layers), ``routing`` (an offloaded MoE
-layer's routing, one transfer per layer), ``slot_wait`` (an on-demand fetch waits for a slot still being
-written), ``token`` / ``draft`` / ``accept`` / ``router_pass`` (token ids and router indices read by the
-decoding), ``deferred_routing`` (a resident forward that no target-forward wait ended, e.g. HF's own forward).
+layer's routing, one transfer per layer), ``token`` / ``draft`` / ``accept`` / ``router_pass`` (token ids and
+router indices read by the decoding), ``deferred_routing`` (a resident forward that no target-forward wait ended,
+e.g. HF's own forward). A fetch that waits for a slot still being written by a prefetch is the cache's own
+counter (``expert_cache.slot_waits``), not a read of the device.
 
 ``SyncGuard`` is the check that nothing bypasses this module: a ``TorchDispatchMode`` that records every op that
 reads the device on the host (``aten._local_scalar_dense`` = ``.item()``, ``nonzero``, ``unique``, a bool-mask
@@ -61,9 +62,6 @@ _state = threading.local()
 
 @contextmanager
 def _counted(site: str) -> Iterator[None]:
-    if getattr(_state, "paused", False):
-        yield
-        return
     COUNTER.by_site[site] += 1
     depth = getattr(_state, "depth", 0)
     _state.depth = depth + 1
@@ -76,17 +74,6 @@ def _counted(site: str) -> Iterator[None]:
 def inside() -> bool:
     """A read through this module is in progress (the guard does not flag it)."""
     return getattr(_state, "depth", 0) > 0
-
-
-@contextmanager
-def uncounted() -> Iterator[None]:
-    """Waits outside the decode path (the cache's drain after the timed loop): not counted."""
-    before = getattr(_state, "paused", False)
-    _state.paused = True
-    try:
-        yield
-    finally:
-        _state.paused = before
 
 
 def item(site: str, t: torch.Tensor) -> Any:
