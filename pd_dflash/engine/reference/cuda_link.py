@@ -49,8 +49,8 @@ class CudaLink:
             "prefetch_window": self.window,
         }
 
-    def submit(self, dst, src, nbytes: int, demand: bool, after: int | None = None) -> Transfer:
-        t = Transfer(nbytes, demand, dst, src, next(self._seq), after, self._clock())
+    def submit(self, dst, src, nbytes: int, demand: bool, after: int | None = None, land=None) -> Transfer:
+        t = Transfer(nbytes, demand, dst, src, next(self._seq), after, self._clock(), land)
         if demand:
             self._issue(t, self.demand_stream)
         else:
@@ -109,11 +109,13 @@ class CudaLink:
     def seconds(self, t: Transfer) -> float:
         return t.start_event.elapsed_time(t.end_event) / 1e3
 
-    def record_use(self, slot: int) -> None:
-        """Compute that reads ``slot`` has been enqueued: a later copy into it must wait for it."""
+    def record_use(self, slots) -> None:
+        """Compute that reads ``slots`` (one or a list) has been enqueued: a later copy into one must wait for
+        it (one event for all of them)."""
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
-        self._slot_free[slot] = ev
+        for slot in slots if isinstance(slots, (list, tuple)) else (slots,):
+            self._slot_free[slot] = ev
 
     def harvest_exposed(self, spans: list | None = None) -> float:
         """Stalls whose end has completed (no synchronization: the others are kept for a later call)."""
@@ -152,8 +154,10 @@ class CudaLink:
             t.start_event.record(stream)
             for d, s in zip(t.dst, t.src, strict=True):
                 d.copy_(s, non_blocking=True)
+            if t.land is not None:
+                t.land()  # dequantise into the slot pool on the copy stream, after the copy
             t.end_event.record(stream)
-        t.dst = t.src = None
+        t.dst = t.src = t.land = None
         t.issued = True
         if stream is self.demand_stream:
             self._last_demand = t.end_event

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from pd_dflash.engine.reference import host_sync
 from pd_dflash.engine.reference.families import MoEFamily
 from pd_dflash.engine.reference.kv_arena import (
     ARENA_ATTENTION,
@@ -329,5 +330,5 @@ class AutoregressiveDecoding:
 def next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
     """Greedy (T = 0) or sampled next token from one row of logits."""
     if temperature > 0:
-        return int(sample(probabilities(logits, temperature), generator))
-    return int(logits.float().argmax())
+        return int(host_sync.item("token", sample(probabilities(logits, temperature), generator)))
+    return int(host_sync.item("token", logits.float().argmax()))

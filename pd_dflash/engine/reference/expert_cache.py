@@ -14,6 +14,12 @@ not a scan. Every access is classified at the moment compute asks for the expert
 
 Exposed fetch seconds are the time compute waited for a transfer (on-demand or in-flight prefetch). Link time
 is the union of the transfers' spans on the host clock (``link.py``: one basis on both devices).
+
+**The slot pool** (``slots``, ``slot_pool.py``): one ``[slots, ...]`` device tensor per compute tensor and a
+device-side ``(layer, expert) → slot`` table that every insert, eviction and the resident load keep current, so a
+MoE layer computes all its routed pairs in one grouped GEMM per projection (``grouped.py``). Quantised experts
+are dequantised once, when they land in a slot. **Capacity counts stored bytes** (``capacity // expert_nbytes``
+slots, what the store holds and the link moves); the device bytes per slot are ``slots.device_slot_nbytes``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 from pd_dflash.engine.reference.cache_plan import POLICIES, Evictor, RoundPlan
 from pd_dflash.engine.reference.expert_store import HostExpertStore
 from pd_dflash.engine.reference.link import Link
+from pd_dflash.engine.reference.slot_pool import SlotPool
 from pd_dflash.engine.reference.spans import SpanUnion
 
 Key = tuple[int, int]  # (layer, expert)
@@ -58,6 +65,8 @@ class CacheCounters:
     h2d_seconds: float = 0.0
     h2d_transfers: int = 0
     peak_occupancy_bytes: int = 0
+    #: Experts dequantised into a slot (once per landing; 0 when the storage is the compute format).
+    dequantized_landings: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -99,13 +108,10 @@ class ExpertCache:
             raise ValueError(
                 f"expert cache capacity {self.capacity_bytes} B holds no expert of {self.store.expert_nbytes} B"
             )
-        self.buffers = [
-            torch.empty((self.num_slots, *shape), dtype=dt, device=self.device)
-            for shape, dt in self.store.spec
-        ]
-        self.slot_views = [[b[i] for b in self.buffers] for i in range(self.num_slots)]
-        # Storage == compute dtype: a slot's tensors are used as they are (no dequantization).
-        self._direct = all(dt == self.compute_dtype for _, dt in self.store.spec)
+        #: The slot pool, its stored-format buffers and the (layer, expert) → slot table (``slot_pool.py``).
+        self.slots = SlotPool(
+            self.store, self.num_slots, self.device, self.compute_dtype, self.link is not None
+        )
         self.entries: dict[Key, _Entry] = {}
         self.free = list(range(self.num_slots - 1, -1, -1))
         self.frequency: dict[Key, int] = {}
@@ -177,19 +183,30 @@ class ExpertCache:
         self._touch(entry)
         return entry
 
-    def weights(self, entry: _Entry) -> list[torch.Tensor]:
-        """The entry's compute-dtype tensors once its transfer has landed (waiting counts as exposed)."""
+    def ready(self, entry: _Entry) -> None:
+        """Compute may read the entry's slot once this returns (CPU: the transfer has landed; CUDA: the compute
+        stream waits for it); waiting counts as exposed."""
         if entry.transfer is not None:
             self.counters.exposed_seconds += self._wait(self.link.wait, entry.transfer)
-        views = self.slot_views[entry.slot]
-        return views if self._direct else self.store.dequantize(views, self.compute_dtype)
+
+    def weights(self, entry: _Entry) -> list[torch.Tensor]:
+        """The entry's compute-dtype tensors (views of its pool slot) once its transfer has landed."""
+        self.ready(entry)
+        return self.slots.weights(entry.slot)
 
     def release(self, entry: _Entry) -> None:
-        entry.pins -= 1
-        if self.link is not None:
-            self.link.record_use(entry.slot)
-            if entry.pins == 0:
-                self._offer(entry)
+        self.release_all([entry])
+
+    def release_all(self, entries: list[_Entry]) -> None:
+        """Unpin entries a layer has computed with (one slot-use record for all of them); an entry no step pins
+        any more becomes a victim candidate again."""
+        for entry in entries:
+            entry.pins -= 1
+        if self.link is not None and entries:
+            self.link.record_use([e.slot for e in entries])
+            for entry in entries:
+                if entry.pins == 0:
+                    self._offer(entry)
 
     def pin(self, key: Key) -> bool:
         """Keep a cached expert from eviction (e.g. route-ahead pins its predicted set across a verify)."""
@@ -269,7 +286,7 @@ class ExpertCache:
         if self.link is not None:
             self.drain()
             self.link.close()
-        self.buffers, self.slot_views = [], []
+        self.slots.close()
         self.entries.clear()
 
     # -- internals -----------------------------------------------------------------------------------------------
@@ -277,18 +294,21 @@ class ExpertCache:
         slot = 0
         for layer in self.store.layer_ids:
             for e in range(self.store.num_experts):
-                for dst, src in zip(self.slot_views[slot], self.store.payload(layer, e), strict=True):
-                    dst.copy_(src)
+                self.counters.dequantized_landings += self.slots.load(slot, self.store.payload(layer, e))
                 self.entries[(layer, e)] = _Entry((layer, e), slot, None, inserted_round=0, prefetched=False)
                 slot += 1
+            self.slots.place_layer(layer, slot - self.store.num_experts)
         self.free = []
         self.counters.peak_occupancy_bytes = self.occupancy_bytes
 
     def _insert(self, key: Key, slot: int, demand: bool) -> _Entry:
         nbytes = self.store.expert_nbytes
+        land = self.slots.lander(slot)
+        self.counters.dequantized_landings += land is not None
         transfer = self.link.submit(
-            self.slot_views[slot], self.store.payload(*key), nbytes, demand, after=slot
+            self.slots.slot_views[slot], self.store.payload(*key), nbytes, demand, after=slot, land=land
         )
+        self.slots.set(key, slot)
         entry = _Entry(key, slot, transfer, inserted_round=self.round, prefetched=not demand)
         self.entries[key] = entry
         self.inflight.append(entry)
@@ -359,6 +379,7 @@ class ExpertCache:
         if entry.prefetched and not entry.used:
             self.counters.prefetch_unused_evicted_bytes += self.store.expert_nbytes
         self.counters.evictions += 1
+        self.slots.set(entry.key, -1)
         del self.entries[entry.key]
         self.evictor.discard(entry.key)
         return entry.slot

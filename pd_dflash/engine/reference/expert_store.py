@@ -2,7 +2,8 @@
 
 Bytes are counted from what is stored — Σ numel × element_size of an expert's payload, scales included —
 never from a nominal figure. fp8 storage is e4m3 with one fp32 scale per expert and weight matrix
-(amax / 448), dequantized on use; 1-D tensors (gpt-oss biases) stay in bf16 under fp8.
+(amax / 448), dequantized once, when it lands in a device cache slot (``expert_cache.py``); 1-D tensors (gpt-oss
+biases) stay in bf16 under fp8.
 
 **The arena** (``HostArena``) is the one place the host store gets its memory, pinned or not. Its API, for any
 loader (``HostExpertStore`` below; a streaming checkpoint loader the same way):
@@ -167,8 +168,34 @@ class HostExpertStore:
         out += [s[expert : expert + 1] for s in self.scales[layer] if s is not None]
         return out
 
+    def compute_spec(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each of one expert's compute tensors (``dequantize``'s outputs)."""
+        return [(tuple(w.shape), w.dtype) for w in self.dequantize(self.payload(self.layer_ids[0], 0), dtype)]
+
+    def compute_nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one expert's compute tensors (what a dequantised slot holds on the device)."""
+        return sum(_numel(shape) * _element_size(dt) for shape, dt in self.compute_spec(dtype))
+
+    def device_slot_nbytes(self, dtype: torch.dtype, *, linked: bool) -> int:
+        """Device bytes one cache slot takes: the stored bytes (when the pool views them, or as the landing
+        buffer of an offloaded cache), plus the dequantised weights when the storage is not the compute format."""
+        meta = [torch.empty((1, *shape), dtype=dt, device="meta") for shape, dt in self.spec]
+        if self.compute_views(meta, dtype) is not None:
+            return self.expert_nbytes
+        return (self.expert_nbytes if linked else 0) + self.compute_nbytes(dtype)
+
+    def compute_views(self, buffers: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """The slot pool as compute tensors ``[slots, ...]`` viewing the stored-format ``buffers`` (one per
+        ``spec`` entry) when the storage IS the compute format (nothing to dequantise); else None."""
+        if any(s is not None for s in self.scales[self.layer_ids[0]]) or any(
+            b.dtype != dtype for b in buffers
+        ):
+            return None
+        return list(buffers)
+
     def dequantize(self, slot: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Compute-dtype weights from a slot's tensors (a no-op view when the storage is the compute dtype)."""
+        """Compute-dtype weights from a slot's tensors (a no-op view when the storage is the compute dtype); the
+        cache calls it once per expert landing in a slot, never per access."""
         n = len(self.parts[self.layer_ids[0]])
         parts, scales = slot[:n], iter(slot[n:])
         out = []

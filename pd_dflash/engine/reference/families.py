@@ -1,9 +1,10 @@
 """What the engine needs to know about each transformers 5.x MoE family.
 
-Experts are fused 3-D tensors (``experts.gate_up_proj[e]`` is one expert's contiguous slice). The per-expert
-compute below mirrors each family's *eager* experts forward operation for operation, so an offloaded expert
-computed from its cache slot gives the same bits as the model's own eager path (tested against
-``generate``).
+Experts are fused 3-D tensors (``experts.gate_up_proj[e]`` is one expert's contiguous slice). Each family's
+expert compute mirrors its *eager* experts forward operation for operation — ``expert_fn`` for one expert's
+tensors, ``grouped_fn`` over the cache's slot pool for every routed (token, k) pair of a layer at once
+(``grouped.py``: one grouped GEMM per projection) — so offloaded experts give the same bits as the model's own
+eager path (tested against ``generate``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from pd_dflash.engine.reference.grouped import GroupedFn
 
 ExpertFn = Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor]
 
@@ -58,6 +61,31 @@ class MoEFamily:
             return F.linear(act(gate) * up, down_w)
 
         return fused_expert
+
+    def grouped_fn(self, experts: nn.Module) -> GroupedFn:
+        """``expert_fn`` over sorted rows and the slot pool: ``mm(x, w)`` multiplies each row by its slot's
+        ``w``, ``slots`` indexes per-slot vectors (gpt-oss's biases). Pool tensors are in ``tensor_names`` order."""
+        if self.name == "gpt_oss":
+            alpha, limit = float(experts.alpha), float(experts.limit)
+
+            def gpt_oss_grouped(x, pool, mm, slots):
+                gate_up_w, gate_up_b, down_w, down_b = pool
+                gate_up = mm(x, gate_up_w) + gate_up_b[slots]
+                gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+                gate = gate.clamp(min=None, max=limit)
+                up = up.clamp(min=-limit, max=limit)
+                glu = gate * torch.sigmoid(gate * alpha)
+                return mm((up + 1) * glu, down_w) + down_b[slots]
+
+            return gpt_oss_grouped
+        act = experts.act_fn
+
+        def fused_grouped(x, pool, mm, slots):
+            gate_up_w, down_w = pool  # [slots, 2I, H], [slots, H, I]: F.linear's layout
+            gate, up = mm(x, gate_up_w.transpose(-2, -1)).chunk(2, dim=-1)
+            return mm(act(gate) * up, down_w.transpose(-2, -1))
+
+        return fused_grouped
 
     def mlp(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = block(x)

@@ -54,6 +54,7 @@ class Transfer:
         "end_event",
         "gate",
         "issued",
+        "land",
         "nbytes",
         "promoted",
         "ref",
@@ -66,7 +67,9 @@ class Transfer:
         "work",
     )
 
-    def __init__(self, nbytes: int, demand: bool, dst, src, seq: int, slot: int | None, submitted: float):
+    def __init__(
+        self, nbytes: int, demand: bool, dst, src, seq: int, slot: int | None, submitted: float, land=None
+    ):
         self.nbytes, self.demand, self.dst, self.src, self.seq, self.slot = (
             nbytes,
             demand,
@@ -76,6 +79,7 @@ class Transfer:
             slot,
         )
         self.submitted = submitted
+        self.land = land  # run after the copy (the cache's dequantisation into the slot pool), or None
         #: Left the host queue (on a stream); re-issued on the demand stream by ``promote``.
         self.issued = self.promoted = False
         #: Landed, remembered after the first positive query.
@@ -95,8 +99,18 @@ class Link(Protocol):
 
     def describe(self) -> dict: ...
 
-    def submit(self, dst: list[torch.Tensor], src: list[torch.Tensor], nbytes: int, demand: bool, after=None):
-        """Copy ``src`` into ``dst`` (the tensors of slot ``after``); returns the ``Transfer``. A demand transfer
+    def submit(
+        self,
+        dst: list[torch.Tensor],
+        src: list[torch.Tensor],
+        nbytes: int,
+        demand: bool,
+        after=None,
+        land=None,
+    ):
+        """Copy ``src`` into ``dst`` (the tensors of slot ``after``), then run ``land()`` (the cache's
+        dequantisation into its slot pool; on CUDA on the copy stream, before the transfer's end event), so a
+        transfer has landed only once its slot holds compute weights; returns the ``Transfer``. A demand transfer
         goes on the demand stream at once, a prefetch into the host queue (the policy above)."""
         ...
 
@@ -133,8 +147,9 @@ class Link(Protocol):
         """A landed transfer's link seconds."""
         ...
 
-    def record_use(self, slot: int) -> None:
-        """Compute reading ``slot`` has been enqueued: a later copy into it must wait for it."""
+    def record_use(self, slots: int | list[int]) -> None:
+        """Compute reading ``slots`` (one slot or a list) has been enqueued: a later copy into one of them must
+        wait for it."""
         ...
 
     def harvest_exposed(self, spans: list | None = None) -> float:
@@ -155,7 +170,9 @@ def _copy(t: Transfer) -> None:
     with nvtx_range("expert_h2d"):
         for d, s in zip(t.dst, t.src, strict=True):
             d.copy_(s)
-    t.dst = t.src = None
+        if t.land is not None:
+            t.land()
+    t.dst = t.src = t.land = None
 
 
 class HostLink:
@@ -201,9 +218,17 @@ class HostLink:
             }
         return {"link": "host memcpy (CPU, not emulated)"}
 
-    def submit(self, dst: list[torch.Tensor], src: list[torch.Tensor], nbytes: int, demand: bool, after=None):
+    def submit(
+        self,
+        dst: list[torch.Tensor],
+        src: list[torch.Tensor],
+        nbytes: int,
+        demand: bool,
+        after=None,
+        land=None,
+    ):
         now = self._clock()
-        t = Transfer(nbytes, demand, dst, src, next(self._seq), after, now)
+        t = Transfer(nbytes, demand, dst, src, next(self._seq), after, now, land)
         if not self.gbps:
             t.start = now
             _copy(t)
@@ -263,7 +288,7 @@ class HostLink:
     def harvest_exposed(self, spans: list | None = None) -> float:
         return 0.0  # CPU waits are returned by ``wait`` where they happen
 
-    def record_use(self, slot: int) -> None:
+    def record_use(self, slots) -> None:
         pass  # CPU compute has finished reading a slot when it returns
 
     def pending(self) -> dict[str, int]:

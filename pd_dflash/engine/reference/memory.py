@@ -86,7 +86,9 @@ def require_cell_device_memory(
     """A cell's expert cache + an upper bound of its KV cache (``tokens`` per request, c requests) + headroom
     must fit on the device before anything is allocated."""
     slots = min(capacity // store.expert_nbytes, store.num_entries)
-    cache = slots * store.expert_nbytes
+    cache = slots * store.device_slot_nbytes(
+        dtype, linked=cell.offloaded
+    )  # device bytes, dequantised included
     kv = kv_cache_bytes(config, tokens, cell.concurrency, torch.empty((), dtype=dtype).element_size())
     fix = (
         "lower memory.expert_cache_fraction (or engine_options.expert_cache_bytes) or the concurrency"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pd_dflash.costmodel import bm1_summary, evaluate_hide_inequality
+from pd_dflash.engine.reference import host_sync
 from pd_dflash.engine.reference.decode import Request
 from pd_dflash.engine.reference.offload import OffloadRuntime
 from pd_dflash.engine.reference.serving import RoundRecord
@@ -261,14 +262,18 @@ def engine_facts(m: CellMeasurement, committed: list[int], overlap: dict[str, An
         extra["draft_verify_rounds"] = len(committed)
     if issued_prefetches(rt):
         extra["prediction"] = prediction_facts(rt, rt.store.expert_nbytes)
+    tokens = sum(r.timing.tokens for r in m.requests)
     return {
         **m.engine,
         **extra,
+        # Device→host reads of the timed loop (host_sync.py): a resident forward has none per MoE layer.
+        "host_syncs": host_sync.COUNTER.facts(len(m.rounds), tokens),
+        "expert_compute": rt.cache.slots.expert_compute,
         # Same prompts, same tokens: offloading must not change outputs (equal digests at equal output lengths).
         "output_digest": hashlib.sha256(json.dumps([r.output for r in m.requests]).encode()).hexdigest()[:16],
         "batch": batch_facts(m.rounds),
         "kv_cache": kv_cache_facts(m.rounds),
-        "expert_cache": expert_cache_facts(rt, m.elapsed, sum(r.timing.tokens for r in m.requests)),
+        "expert_cache": expert_cache_facts(rt, m.elapsed, tokens),
     }
 
 
@@ -306,7 +311,11 @@ def expert_cache_facts(rt: OffloadRuntime, elapsed: float, generated_tokens: int
     c, cache, store = rt.cache.counters, rt.cache, rt.store
     return {
         "capacity_bytes": cache.capacity_bytes,
+        # Capacity counts stored bytes (slots = capacity // expert_nbytes); a slot takes device_slot_nbytes.
+        "capacity_counts": "stored_bytes",
         "slots": cache.num_slots,
+        "device_slot_nbytes": cache.slots.device_slot_nbytes,
+        "dequantize": "none (stored in the compute dtype)" if cache.slots.direct else "once per landing",
         "expert_nbytes": store.expert_nbytes,
         "total_expert_bytes": store.total_bytes,
         "policy": cache.policy,

@@ -1,14 +1,22 @@
-"""Offloaded MoE layers: each model's experts module is replaced by ``OffloadedExperts``, which computes
-every routed expert from a device-cache slot, and an ``OffloadRuntime`` (one per cell) that owns the cache,
-the prefetcher and the prediction statistics and is driven by the decode loop's round hooks.
+"""Offloaded MoE layers: each model's experts module is replaced by ``OffloadedExperts``, which computes a layer's
+routed experts over the device cache's slot pool (``grouped.py``: one grouped GEMM per projection, a constant
+number of ops however many experts the layer routes to), and an ``OffloadRuntime`` (one per cell) that owns the
+cache, the prefetcher and the prediction statistics and is driven by the decode loop's round hooks.
 
-Per MoE layer (``OffloadRuntime.run_layer``): the routing comes to the host in ONE transfer, the layer's routed
-experts are pinned/fetched in ascending id order (the eager order, so offloaded and resident outputs are
-bit-identical), the prefetcher then learns from the routing and issues fetches for the next layer, and each
-expert is computed as soon as its slot is ready and released right after, so a cache smaller than the layer's
-union still works (it streams). Each expert's rows come from ONE stable sort of the layer's routing on the
-device and the host's per-expert counts: no host↔device synchronization per expert, so on CUDA the host
-enqueues a whole layer ahead of the GPU.
+Per MoE layer:
+
+- **resident** (B3, every expert in the cache): no host sync at all. The layer computes from the device slot table
+  and records its routing on the device; after the forward, ALL layers' routing comes to the host in ONE transfer,
+  inside the wait that ends the forward (``synchronize``), and the cache accounting, the statistics, the trace and
+  the observe-only prefetcher are fed layer by layer exactly as if it had come per layer (values unchanged).
+- **offloaded**: the routing comes to the host in ONE transfer (pinned memory, waited by event through the link:
+  ``host_sync`` site ``routing``), the layer's routed experts are acquired (pinned, fetched on demand) in ascending
+  id order, the prefetcher learns from the routing and issues fetches for the next layer, then ONE grouped compute
+  runs over all of them. A cache smaller than the layer's union computes it in as few chunks as its slots allow
+  (acquire what fits, compute, release, repeat).
+
+Outputs are bit-identical to the eager experts module (``grouped.py``), resident or offloaded, whatever slots the
+experts occupy.
 """
 
 from __future__ import annotations
@@ -17,43 +25,32 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
+from pd_dflash.engine.reference import host_sync
 from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.expert_store import HostExpertStore
-from pd_dflash.engine.reference.families import ExpertFn, MoEFamily, num_experts
+from pd_dflash.engine.reference.families import MoEFamily, num_experts
+from pd_dflash.engine.reference.grouped import GroupedFn, LayerCompute
 from pd_dflash.engine.route_ahead import RouteAheadStats
 
 
 class OffloadedExperts(nn.Module):
     """Drop-in replacement of a transformers experts module (same ``forward(hidden, top_k_index,
-    top_k_weights)`` signature), computing each expert like the family's eager forward."""
+    top_k_weights)`` signature), computing the routed experts like the family's eager forward."""
 
-    def __init__(self, layer_id: int, expert_fn: ExpertFn) -> None:
+    def __init__(self, layer_id: int, grouped_fn: GroupedFn) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.expert_fn = expert_fn
+        self.grouped_fn = grouped_fn
         self.runtime: OffloadRuntime | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if self.runtime is None:
             raise RuntimeError("OffloadedExperts used without an OffloadRuntime (call runtime.attach(model))")
-        final = torch.zeros_like(hidden_states)
-        tokens = top_k_index.shape[0]
-        # Entry i of the position-major flattening is (top-k position i // tokens, token i % tokens); a stable
-        # sort by expert keeps, within each expert, the eager path's torch.where(expert_mask[e]) order.
-        order = torch.sort(top_k_index.T.reshape(-1), stable=True).indices
-
-        def compute(expert: int, weights: list[torch.Tensor], rows: slice) -> None:
-            picked = order[rows]
-            top_k_pos, token_idx = picked // tokens, picked % tokens
-            out = self.expert_fn(hidden_states[token_idx], weights)
-            out = out * top_k_weights[token_idx, top_k_pos, None]
-            final.index_add_(0, token_idx, out.to(final.dtype))
-
-        self.runtime.run_layer(self.layer_id, top_k_index, compute)
-        return final
+        return self.runtime.experts(self.layer_id, hidden_states, top_k_index, top_k_weights, self.grouped_fn)
 
 
 def install_offload(
@@ -68,7 +65,7 @@ def install_offload(
         if experts is None:
             continue
         tensors[i] = [getattr(experts, name).data for name in family.tensor_names]
-        layer.mlp.experts = OffloadedExperts(i, family.expert_fn(experts))
+        layer.mlp.experts = OffloadedExperts(i, family.grouped_fn(experts))
     store = HostExpertStore(tensors, storage=storage, pin=pin, host_available_bytes=host_available_bytes)
     if store.num_experts != num_experts(model.config):
         raise ValueError(
@@ -105,6 +102,8 @@ class OffloadRuntime:
         #: The trace's timeline: per round, per MoE layer (start, end, seconds compute waited for a transfer) on
         #: the host clock (``cache_replay.clairvoyant_in_time`` replays the trace on it).
         self.timeline: list[list[tuple[float, float, float]]] = []
+        #: Resident layers of forwards not yet waited for: (layer, routing on the device, observed, start, end).
+        self._deferred: list[tuple[int, torch.Tensor, bool, float, float]] = []
 
     def attach(self, model: nn.Module) -> None:
         for layer in model.model.layers:
@@ -114,7 +113,9 @@ class OffloadRuntime:
 
     def reset_measurement(self) -> None:
         """After warm-up: counters and statistics restart; cache contents and prefetch history stay warm."""
+        self._flush_deferred()
         self.cache.reset_counters()
+        host_sync.COUNTER.reset()
         self.stats = RouteAheadStats()
         self.needed_per_round, self.occupancy_per_round = [], []
         self.per_layer = {}
@@ -127,6 +128,7 @@ class OffloadRuntime:
 
     def begin_round(self, owners: list[tuple[object, int]]) -> None:
         """Before the target forward: ``owners`` = (request id, rows) in row order."""
+        self._flush_deferred()
         self.cache.begin_round()
         self.stats.begin_step()
         self.round_needed, self.in_round, self._observed = 0, True, set()
@@ -144,6 +146,7 @@ class OffloadRuntime:
         finished: set | None = None,
     ) -> None:
         """After the accept rule: the kept rows of each request (AR keeps every row)."""
+        self._flush_deferred()
         self.in_round = False
         self.stats.commit_step(kept_rows, kept_spans=kept_spans)
         self.in_time = [a + b for a, b in zip(self.in_time, self._round_in_time, strict=True)]
@@ -164,8 +167,15 @@ class OffloadRuntime:
 
     # -- the experts seam ------------------------------------------------------------------------------------
     def synchronize(self, event=None) -> None:
-        """Block the host until the compute stream (or ``event``) has finished, never the whole device; the
-        link keeps its prefetch queue moving meanwhile (``link.py``)."""
+        """The target's wait at the end of a forward or a draft (``TargetModel.sync_hook``; counted, site
+        ``forward_end``): block the host until the compute stream (or ``event``) has finished, never the whole
+        device (the link keeps its prefetch queue moving meanwhile, ``link.py``). The resident layers' routing of
+        the forward comes to the host inside this wait (one transfer) and is accounted for right after."""
+        copy = self._copy_deferred()
+        host_sync.wait("forward_end", lambda: self._block(event))
+        self._account_deferred(copy)
+
+    def _block(self, event=None) -> None:
         if self.cache.link is not None:
             self.cache.link.synchronize(event)
         elif event is not None:
@@ -174,33 +184,40 @@ class OffloadRuntime:
             torch.cuda.current_stream(self.cache.device).synchronize()
 
     def routing_to_host(self, top_k_index: torch.Tensor) -> torch.Tensor:
-        """The layer's ``[tokens, k]`` routing on the host: one device→host copy, waited for through the link."""
-        if top_k_index.device.type != "cuda":
-            return top_k_index
-        host = torch.empty(top_k_index.shape, dtype=top_k_index.dtype, pin_memory=True)
-        host.copy_(top_k_index, non_blocking=True)
-        landed = torch.cuda.Event()
-        landed.record(torch.cuda.current_stream(top_k_index.device))
-        self.synchronize(landed)
+        """The layer's ``[tokens, k]`` routing on the host: one device→host copy into pinned memory, waited for by
+        event through the link (counted, site ``routing``)."""
+        host, landed = host_sync.to_host_async(top_k_index)
+        host_sync.wait("routing", lambda: landed is not None and self._block(landed))
         return host
 
+    def experts(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, fn
+    ) -> torch.Tensor:
+        """Layer ``layer``'s routed experts over the slot pool (``OffloadedExperts.forward``)."""
+        moe = LayerCompute(hidden, top_k_index, top_k_weights, self.cache.slots, layer, fn)
+        if self.cache.resident:
+            start = time.perf_counter()
+            moe.compute()
+            observe = self.in_round and layer not in self._observed
+            if observe:
+                self._observed.add(layer)
+            self._deferred.append((layer, top_k_index, observe, start, time.perf_counter()))
+        else:
+            self.run_layer(layer, top_k_index, lambda experts, whole: moe.compute(None if whole else experts))
+        return moe.finish()
+
     def run_layer(
-        self, layer: int, top_k_index: torch.Tensor, compute: Callable[[int, list, slice], None]
+        self, layer: int, top_k_index: torch.Tensor, compute: Callable[[list[int], bool], None]
     ) -> None:
-        """Fetch and compute layer ``layer``'s routed experts; ``compute(expert, weights, rows)`` gets the
-        expert's entries in the stable sort of the routing by expert id."""
+        """Fetch layer ``layer``'s routed experts and compute them: ``compute(experts, whole)`` once every expert
+        of a chunk is acquired and ready (``whole``: the chunk is the layer's whole union, the usual case)."""
         start, waited = time.perf_counter(), self.cache.counters.exposed_seconds
         top_k_index = self.routing_to_host(top_k_index)
-        experts, counts = torch.unique(top_k_index, return_counts=True)  # ascending, like the eager path
-        needed = experts.tolist()
-        ends = counts.cumsum(0).tolist()
-        rows = {e: slice(end - n, end) for e, end, n in zip(needed, ends, counts.tolist(), strict=True)}
+        needed = np.unique(top_k_index.numpy()).tolist()  # ascending, like the eager path
         observe = self.in_round and layer not in self._observed
         prefetcher = self.prefetcher if observe else None
-        predicted: frozenset[int] = frozenset()
-        if observe:
-            predicted = self._observe(layer, needed, top_k_index)
-        todo, window = deque(needed), deque()
+        predicted = self._observe(layer, needed, top_k_index) if observe else frozenset()
+        todo, chunk = deque(needed), []
 
         def fill() -> None:
             while todo:
@@ -209,31 +226,84 @@ class OffloadRuntime:
                     return
                 if observe and todo[0] in predicted and entry.ready_at_access:
                     self._round_in_time[0] += 1
-                window.append((todo.popleft(), entry))
+                chunk.append((todo.popleft(), entry))
 
         fill()
+        if not chunk:
+            raise RuntimeError(f"layer {layer}: no cache slot available (every slot is pinned)")
         if prefetcher is not None:
             prefetcher.after_layer(self.cache, layer, top_k_index)
-        while window:
-            expert, entry = window.popleft()
-            compute(expert, self.cache.weights(entry), rows[expert])
-            self.cache.release(entry)
-            if todo:
-                fill()
-                if not window and todo:
-                    raise RuntimeError(
-                        f"layer {layer}: no cache slot can be freed for expert {todo[0]} "
-                        "(every slot is pinned); raise the expert cache capacity"
-                    )
-        if todo:
-            raise RuntimeError(f"layer {layer}: no cache slot available (every slot is pinned)")
-        done = getattr(prefetcher, "layer_done", None)
-        if done is not None:
-            done(self.cache, layer)
+        whole = not todo
+        while chunk:
+            for _, entry in chunk:
+                self.cache.ready(entry)
+            compute([e for e, _ in chunk], whole)
+            self.cache.release_all([entry for _, entry in chunk])
+            chunk.clear()
+            fill()
+            if todo and not chunk:
+                raise RuntimeError(
+                    f"layer {layer}: no cache slot can be freed for expert {todo[0]} "
+                    "(every slot is pinned); raise the expert cache capacity"
+                )
+        self._layer_done(prefetcher, layer)
         if observe:
             self.timeline[-1].append(
                 (start, time.perf_counter(), self.cache.counters.exposed_seconds - waited)
             )
+
+    def _layer_done(self, prefetcher, layer: int) -> None:
+        done = getattr(prefetcher, "layer_done", None)
+        if done is not None:
+            done(self.cache, layer)
+
+    # -- resident layers: routing after the forward ------------------------------------------------------------
+    def _copy_deferred(self):
+        """Start the ONE device→host copy of the deferred layers' routing (waited by the caller's wait)."""
+        if not self._deferred:
+            return None
+        deferred, self._deferred = self._deferred, []
+        host, _ = host_sync.to_host_async(torch.cat([d[1].reshape(-1) for d in deferred]))
+        return deferred, host
+
+    def _flush_deferred(self) -> None:
+        """Account for deferred layers no forward-end wait covered (e.g. HF's own forward through the module)."""
+        copy = self._copy_deferred()
+        if copy is not None:
+            host_sync.wait("deferred_routing", self._block)
+            self._account_deferred(copy)
+
+    def _account_deferred(self, copy) -> None:
+        """Feed the deferred layers, in order, to the cache accounting, the statistics and the prefetcher."""
+        if copy is None:
+            return
+        deferred, host = copy
+        flat, offset = host.numpy(), 0  # numpy from here on: host bookkeeping dispatches no torch op
+        for layer, routing, observe, start, end in deferred:
+            n = routing.numel()
+            rows = flat[offset : offset + n].reshape(tuple(routing.shape))
+            offset += n
+            self._account_resident(layer, rows, observe, start, end)
+
+    def _account_resident(self, layer: int, routing: np.ndarray, observe: bool, start: float, end: float):
+        """What ``run_layer`` does on the host for a layer whose experts were all resident (``routing``: the
+        layer's ``[tokens, k]`` ids as a host array; the statistics and the AR prefetcher read it as they read
+        the offloaded layers' host tensor)."""
+        needed = np.unique(routing).tolist()
+        predicted = self._observe(layer, needed, routing) if observe else frozenset()
+        entries = []
+        for e in needed:
+            entry = self.cache.acquire((layer, e))
+            if observe and e in predicted and entry.ready_at_access:
+                self._round_in_time[0] += 1
+            entries.append(entry)
+        prefetcher = self.prefetcher if observe else None
+        if prefetcher is not None:
+            prefetcher.after_layer(self.cache, layer, routing)
+        self.cache.release_all(entries)
+        self._layer_done(prefetcher, layer)
+        if observe:
+            self.timeline[-1].append((start, end, 0.0))
 
     def _observe(self, layer: int, needed: list[int], top_k_index: torch.Tensor) -> frozenset[int]:
         """A verify layer starts: statistics, the plan, the trace; returns the layer's predicted experts."""

@@ -33,7 +33,7 @@ class ReferenceOptions(BaseModel):
     #: Seed of a preset's training (part of the preset cache key).
     train_seed: int = 0
     #: How expert weights are stored in the host store and moved ("auto" = the compute dtype; fp8 = e4m3
-    #: with a per-expert scale, dequantized on use).
+    #: with a per-expert scale, dequantised once when it lands in a device cache slot).
     storage_dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
     #: OURS's predictor is route-ahead ∪ history (what the request's rows routed in its last verify, issued
     #: while the next block is drafted); false = route-ahead alone (an ablation).

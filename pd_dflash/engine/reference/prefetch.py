@@ -70,8 +70,9 @@ class ActivationAwarePrefetcher:
         self._issue(cache, self.layer_ids[0], predicted)
 
     def after_layer(self, cache, layer: int, routed: torch.Tensor) -> None:
-        """Learn from layer ``layer``'s routing (``[tokens, k]`` ids) and prefetch the next layer."""
-        ids = routed.detach().to("cpu").numpy()
+        """Learn from layer ``layer``'s routing (``[tokens, k]`` ids on the host: a CPU tensor or an array) and
+        prefetch the next layer."""
+        ids = np.asarray(routed)  # the routing on the host (OffloadRuntime)
         onehot = np.zeros((ids.shape[0], self.num_experts))
         np.put_along_axis(onehot, ids, 1.0, axis=1)
         row = 0

@@ -51,6 +51,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from pd_dflash.engine.nvtx_ranges import nvtx_range
+from pd_dflash.engine.reference import host_sync
 from pd_dflash.engine.reference.decode import Block, TargetModel
 from pd_dflash.engine.reference.verify_width import CostAwareWidth, new_bytes_per_row
 
@@ -196,7 +197,7 @@ class RouteAheadPrefetcher:
         rows: list[list[set[Key]]] = [[set() for _ in range(e - s)] for s, e in spans]
         if not blocks:
             return rows
-        stacked = None
+        stacked, routed = None, []
         for layer in layers:
             exact = [b.gate_inputs.get(layer) for b in blocks]
             if all(x is not None for x in exact):
@@ -207,7 +208,11 @@ class RouteAheadPrefetcher:
                 for j, (s, e) in enumerate(spans):
                     if exact[j] is not None:
                         x[s:e] = exact[j]
-            ids = self.routers[layer](x)[2].tolist()  # [rows, k] router indices (Qwen3-MoE, Mixtral, gpt-oss)
+            routed.append(self.routers[layer](x)[2])  # [rows, k] router indices (Qwen3-MoE, Mixtral, gpt-oss)
+        if not routed:
+            return rows
+        every = host_sync.tolist("router_pass", torch.stack(routed))  # one host read for every layer
+        for layer, ids in zip(layers, every, strict=True):
             for j, (s, e) in enumerate(spans):
                 for i in range(e - s):
                     rows[j][i].update((layer, int(x)) for x in ids[s + i])

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pd_dflash.engine.reference import host_sync
+
 #: Fills ``AcceptResult.tokens`` beyond each request's committed count.
 PAD_TOKEN = -1
 
@@ -34,7 +36,9 @@ class AcceptResult:
         return self.accepted + 1
 
     def committed(self) -> list[list[int]]:
-        return [row[: n + 1] for row, n in zip(self.tokens.tolist(), self.accepted.tolist(), strict=True)]
+        """The committed tokens per request (one host read for the whole batch)."""
+        rows = host_sync.tolist("accept", torch.cat([self.accepted[:, None], self.tokens], dim=1))
+        return [row[1 : row[0] + 2] for row in rows]
 
 
 def _check_block(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pd_dflash.engine.reference import host_sync
 from pd_dflash.engine.reference.block_drafter import BlockDrafter
 from pd_dflash.engine.reference.decode import Block, Commit, Request, TargetModel, next_token
 from pd_dflash.engine.reference.sampling import greedy_accept, probabilities, sample, speculative_sample
@@ -66,7 +67,8 @@ class SpeculativeDecoding:
                 )
             else:
                 result = greedy_accept(logits[None], drafts)
-            committed, kept = result.committed()[0], int(result.accepted[0]) + 1
+            committed = result.committed()[0]
+            kept = len(committed)  # accepted drafts + the bonus: the rows whose work survives
         committed = committed[: r.remaining]
         stop = next((i for i, t in enumerate(committed) if t in r.eos_token_ids), None)
         if stop is not None:  # the first token that is any of the eos ids ends the request
@@ -120,8 +122,13 @@ class BlockDrafterSource:
             logits = self.drafter.logits(hidden[:, 1:])
             q = probabilities(logits, temperature) if temperature > 0 else None
             self.target.synchronize()  # the draft's end (on CUDA the link keeps prefetching meanwhile)
+            if q is not None:
+                picked = torch.stack([sample(q[i], r.generator) for i, r in enumerate(group)])
+            else:
+                picked = logits.argmax(-1)
+            all_drafts = host_sync.tolist("draft", picked)  # one host read for the group
             for i, r in enumerate(group):
-                drafts = (sample(q[i], r.generator) if q is not None else logits[i].argmax(-1)).tolist()
+                drafts = all_drafts[i]
                 tokens = [r.output[-1], *drafts]
                 out.append(
                     Block(
@@ -192,9 +199,9 @@ class EarlyExitDrafter:
                     if temperature > 0:
                         q = probabilities(row, temperature)
                         probs[r.rid].append(q)
-                        tokens[r.rid].append(int(sample(q, r.generator)))
+                        tokens[r.rid].append(int(host_sync.item("draft", sample(q, r.generator))))
                     else:
-                        tokens[r.rid].append(int(row.float().argmax()))
+                        tokens[r.rid].append(int(host_sync.item("draft", row.float().argmax())))
         for (
             r
         ) in requests:  # roll the drafted entries back out of the first d layers (the verify rewrites them)

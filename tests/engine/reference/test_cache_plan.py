@@ -168,8 +168,8 @@ def test_prefetched_in_time_coverage_by_hand():
     time.sleep(0.06)
     computed = []
 
-    def compute(expert, weights, rows):
-        computed.append(expert)
+    def compute(experts, whole):
+        computed.extend(experts)
 
     runtime.run_layer(0, torch.tensor([[0]]), compute)  # (0, 0) landed: predicted and in time
     runtime.run_layer(

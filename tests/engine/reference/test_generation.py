@@ -160,9 +160,12 @@ def test_forwards_outside_a_round_fetch_but_do_not_feed_the_statistics(micro):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])
 @pytest.mark.parametrize("fraction", [None, 0.25])
-def test_one_sort_per_layer_is_bit_identical_to_the_eager_experts(family, fraction):
-    """Each expert's rows come from one stable sort of the routing (no per-expert host sync): the output equals
-    the eager experts module's bit for bit, on many tokens with random distinct top-k (a streaming cache too)."""
+def test_the_grouped_layer_equals_the_eager_experts(family, fraction):
+    """One sort by slot and one grouped GEMM per projection over the slot pool (no host sync per expert): the
+    output equals the eager experts module's on many tokens with random distinct top-k (a streaming cache too),
+    to fp32 rounding: the GEMMs and the per-token sum are the eager ones bit for bit, but CPU elementwise kernels
+    (sigmoid, SiLU) round an element differently depending on where it falls in a vector, which the grouping
+    moves (measured ≤ 1e-9 here)."""
     model = tiny_model(family)
     reference = family_of(model.config).experts_module(eager_copy(model).model.layers[1])
     target, store = offloaded(model)
@@ -176,5 +179,5 @@ def test_one_sort_per_layer_is_bit_identical_to_the_eager_experts(family, fracti
     with torch.no_grad():
         got = experts(hidden, top_k_index, top_k_weights)
         want = reference(hidden, top_k_index, top_k_weights)
-    assert torch.equal(got, want)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
     rt.close()

@@ -79,6 +79,10 @@ def route_stats(nbytes: bool = True) -> RouteAheadStats:
     return stats
 
 
+#: The cache's slot pool as the facts read it (``slot_pool.py``).
+SLOTS = SimpleNamespace(expert_compute="grouped_mm", direct=True, device_slot_nbytes=NBYTES)
+
+
 def runtime(**over) -> SimpleNamespace:
     counters = CacheCounters(
         accesses=8,
@@ -95,7 +99,12 @@ def runtime(**over) -> SimpleNamespace:
     )
     rt = dict(
         cache=SimpleNamespace(
-            counters=counters, resident=False, capacity_bytes=8 * NBYTES, num_slots=8, policy="lru"
+            counters=counters,
+            resident=False,
+            capacity_bytes=8 * NBYTES,
+            num_slots=8,
+            policy="lru",
+            slots=SLOTS,
         ),
         stats=route_stats(),
         prefetcher=SimpleNamespace(issue=True, counters={"issued": 4}),
@@ -331,7 +340,12 @@ def test_expert_cache_facts_rates_and_occupancy():
     none = metrics.expert_cache_facts(
         runtime(
             cache=SimpleNamespace(
-                counters=CacheCounters(), capacity_bytes=0, num_slots=0, policy="lru", resident=True
+                counters=CacheCounters(),
+                capacity_bytes=0,
+                num_slots=0,
+                policy="lru",
+                slots=SLOTS,
+                resident=True,
             )
         ),
         2.0,
@@ -414,6 +428,7 @@ def test_an_observe_only_prefetcher_gives_coverage_but_no_prediction_counts():
         capacity_bytes=16 * NBYTES,
         num_slots=16,
         policy="lru",
+        slots=SLOTS,
     )
     result = metrics.assemble(measurement(runtime=runtime(prefetcher=idle, cache=cache)), SLO())
     assert result.route_ahead_prefetch_coverage == 3 / 5
@@ -507,6 +522,7 @@ def test_assembled_row_with_a_link_carries_overlap_cost_terms_and_bookkeeping():
             capacity_bytes=8000,
             num_slots=8,
             policy="lru",
+            slots=SLOTS,
         )
     )
     result = metrics.assemble(measurement(runtime=idle), SLO())

@@ -106,3 +106,27 @@ def test_a_checkpoint_whose_store_does_not_fit_refuses_every_cell_before_reading
         with pytest.raises(Refused, match=r"host expert store \(114,688 B of experts as stored\).*10,000 B"):
             engine.run_cell(cell)
     engine.close()
+
+
+def test_resident_rows_neither_dequantise_nor_read_the_routing_per_layer(real_rows):
+    """B3 (every expert resident; gpt-oss's MXFP4 experts dequantised once, at load): no dequantisation and no
+    routing transfer inside the timed rounds; an offloaded AR row reads the routing once per MoE layer per
+    forward, plus the forward's end and its token."""
+    name, _spec, engine, rows = real_rows
+    layers = len(engine.store.layer_ids)
+    for (baseline, _c), row in rows.items():
+        cache, syncs = row.engine["expert_cache"], row.engine["host_syncs"]
+        assert cache["capacity_counts"] == "stored_bytes"
+        assert cache["dequantize"] == (
+            "once per landing" if name == "tiny-real-gpt-oss" else "none (stored in the compute dtype)"
+        )
+        if baseline == "B3":
+            assert cache["dequantized_landings"] == 0 and "routing" not in syncs["by_site"]
+        if baseline == "B0":
+            rounds = row.engine["batch"]["rounds"]
+            assert syncs["by_site"]["routing"] == rounds * layers
+            assert syncs["by_site"]["forward_end"] == rounds
+            assert cache["dequantized_landings"] == (
+                cache["h2d_transfers"] if name == "tiny-real-gpt-oss" else 0
+            )
+        assert row.engine["expert_compute"] in ("grouped_mm", "gathered_bmm")

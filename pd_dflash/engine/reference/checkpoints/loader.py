@@ -212,7 +212,7 @@ def build_skeleton(checked: CheckedCheckpoint, compute: torch.dtype) -> tuple[nn
                 where=str(checked.directory / "config.json"),
             )
         if experts is not None:
-            layer.mlp.experts = OffloadedExperts(i, family.expert_fn(experts))
+            layer.mlp.experts = OffloadedExperts(i, family.grouped_fn(experts))
     return model, family
 
 

@@ -4,7 +4,8 @@ computed.
 Each group of 32 weights is 16 bytes of packed E2M1 codes (low nibble first) and one E8M0 scale byte
 (exponent + 127). Dequantisation follows transformers' ``convert_moe_packed_tensors`` operation for operation
 (lookup table in the target dtype, ``ldexp`` by the scale), so the weights are bit-identical to what
-transformers computes (tested); it runs per expert on the expert's slot, after its transfer.
+transformers computes (tested); it runs once per expert landing in a device cache slot, right after its transfer
+(on CUDA on the copy stream), so the slot then holds compute-dtype weights.
 """
 
 from __future__ import annotations

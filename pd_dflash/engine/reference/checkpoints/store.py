@@ -5,8 +5,9 @@ weights, or MXFP4 blocks + scales + biases) lie back to back in row e, exactly a
 stores, so one expert is ONE host→device copy. The layers are views of one ``HostArena`` (``expert_store.py``:
 allocated once from the total, pinned in place once filled on CUDA — no per-tensor pinned allocations, which
 torch rounds up to powers of two). The loader reads the files straight into the parts' views; nothing is
-converted on the host. On the device a slot's bytes are viewed as the parts again and dequantised there (MXFP4
-→ the compute dtype; bf16 → as is).
+converted on the host. On the device a slot's bytes are viewed as the parts again: as is when they are the
+compute dtype (``compute_views``: the slot pool views the bytes), else dequantised once when they land (MXFP4 →
+the compute dtype, ``expert_cache.py``).
 """
 
 from __future__ import annotations
@@ -120,8 +121,21 @@ class CheckpointExpertStore(HostExpertStore):
             if tuple(t.shape) != (self.num_experts, self.expert_nbytes) or t.dtype != torch.uint8:
                 raise ValueError(f"MoE layer {layer}: {tuple(t.shape)} {t.dtype} is not the layout's bytes")
 
+    def compute_views(self, buffers: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """Each part as ``[slots, *shape]`` viewing the slots' bytes (``buffers == [[slots, expert_nbytes]]``)
+        when every part is stored in the compute dtype (bf16 experts at bf16); None for MXFP4 or other dtypes."""
+        if self.storage == "mxfp4" or any(TORCH_DTYPES[p.dtype] != dtype for p in self.layout.parts):
+            return None
+        (rows,) = buffers
+        out, offset = [], 0
+        for p in self.layout.parts:
+            chunk = rows[:, offset : offset + p.nbytes].view(dtype)
+            out.append(chunk.view(rows.shape[0], *p.shape))
+            offset += p.nbytes
+        return out
+
     def dequantize(self, slot: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        """The expert's compute tensors from its slot (on the device where it is computed)."""
+        """The expert's compute tensors from its slot (on the device where it is computed; once per landing)."""
         parts = part_views(self.layout, slot[0])
         if self.storage == "mxfp4":
             return mxfp4.expert_weights(parts, dtype)

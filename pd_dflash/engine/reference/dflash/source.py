@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pd_dflash.engine.reference import host_sync
 from pd_dflash.engine.reference.decode import Block, Request
 from pd_dflash.engine.reference.dflash.model import DFlashDrafter, DraftKV, DraftRows
 from pd_dflash.engine.reference.sampling import probabilities, sample
@@ -63,9 +64,14 @@ class DFlashSource:
         self.facts["peak_draft_kv_bytes"] = max(self.facts["peak_draft_kv_bytes"], kv_bytes)
         logits = self.drafter.logits(hidden[:, 1:])
         q = probabilities(logits, temperature) if temperature > 0 else None
+        if q is not None:
+            picked = torch.stack([sample(q[i], r.generator) for i, r in enumerate(requests)])
+        else:
+            picked = logits.argmax(-1)
+        all_drafts = host_sync.tolist("draft", picked)  # one host read for the batch
         out = []
         for i, r in enumerate(requests):
-            drafts = (sample(q[i], r.generator) if q is not None else logits[i].argmax(-1)).tolist()
+            drafts = all_drafts[i]
             out.append(
                 Block(
                     r,

@@ -1,0 +1,97 @@
+"""The device expert cache's memory: a slot pool, the stored-format slot buffers and the slot table.
+
+- ``pool``: one ``[slots, ...]`` tensor per compute tensor of an expert (``tensor_names`` order, compute dtype):
+  what ``grouped.py`` multiplies with, all slots at once.
+- ``buffers`` / ``slot_views``: the slots in the stored format (``store.spec``), what a transfer writes. When the
+  storage IS the compute format (``direct``: fp32/bf16 experts computed at their dtype), the pool views these
+  bytes and there is nothing else. Otherwise (fp8, MXFP4) each landing is dequantised ONCE into the pool slot
+  (``lander``: the transfer's step after its copy; on CUDA it runs on the copy stream, so no host sync), and a
+  resident cache (B3) dequantises every expert at load through a one-expert temporary (no buffers kept).
+- ``table``: ``[layer, expert] → slot`` on the device (−1 = absent). The cache records every insert and eviction
+  with ``set`` (on the host); the writes since the last read reach the device as ONE ``index_put_`` when the table
+  is next read (a MoE layer's compute), so a layer's fetches cost one small host→device copy, not an op each.
+
+Device bytes per slot (``device_slot_nbytes``) are reported as they are; the cache's capacity counts stored bytes
+(``expert_cache.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pd_dflash.engine.reference.expert_store import HostExpertStore
+from pd_dflash.engine.reference.grouped import expert_compute_kind
+from pd_dflash.engine.reference.host_sync import to_device
+
+
+class SlotPool:
+    def __init__(
+        self, store: HostExpertStore, num_slots: int, device: torch.device, dtype: torch.dtype, linked: bool
+    ) -> None:
+        self.store, self.device, self.dtype = store, device, dtype
+        meta = [torch.empty((num_slots, *shape), dtype=dt, device="meta") for shape, dt in store.spec]
+        #: The pool views the stored bytes: a transfer writes compute-dtype weights, nothing to dequantise.
+        self.direct = store.compute_views(meta, dtype) is not None
+        staged = linked or self.direct
+        self.buffers = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in meta] if staged else []
+        self.slot_views = [[b[i] for b in self.buffers] for i in range(num_slots)] if staged else []
+        if self.direct:
+            self.pool = store.compute_views(self.buffers, dtype)
+        else:
+            spec = store.compute_spec(dtype)
+            self.pool = [torch.empty((num_slots, *shape), dtype=dt, device=device) for shape, dt in spec]
+        self._table = torch.full(
+            (max(store.layer_ids) + 1, store.num_experts), -1, dtype=torch.long, device=device
+        )
+        self._writes: dict[tuple[int, int], int] = {}  # (layer, expert) → slot, not yet on the device
+        #: ``grouped_mm`` or the named fallback (``grouped.py``): the row's ``engine.expert_compute``.
+        self.expert_compute = expert_compute_kind(self.pool)
+        self.device_slot_nbytes = store.device_slot_nbytes(dtype, linked=linked)
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The device table, current: pending writes applied first (one host→device copy, one op)."""
+        if self._writes:
+            n = self.store.num_experts
+            where = torch.tensor([layer * n + e for layer, e in self._writes], dtype=torch.long)
+            slots = torch.tensor(list(self._writes.values()), dtype=torch.long)
+            self._writes = {}
+            self._table.view(-1).index_put_((to_device(where, self.device),), to_device(slots, self.device))
+        return self._table
+
+    def set(self, key: tuple[int, int], slot: int) -> None:
+        """``key`` now lives in ``slot`` (−1: evicted)."""
+        self._writes[key] = slot
+
+    def weights(self, slot: int) -> list[torch.Tensor]:
+        """One slot's compute tensors (views of the pool)."""
+        return [p[slot] for p in self.pool]
+
+    def lander(self, slot: int) -> Callable[[], None] | None:
+        """The step a transfer into ``slot`` runs after its copy: dequantise into the pool (None if direct)."""
+        if self.direct:
+            return None
+        return lambda: self._dequantize_into(slot, self.slot_views[slot])
+
+    def load(self, slot: int, payload: list[torch.Tensor]) -> bool:
+        """Place an expert's host ``payload`` in ``slot`` now (the resident load); True if it was dequantised."""
+        if self.direct:
+            for dst, src in zip(self.slot_views[slot], payload, strict=True):
+                dst.copy_(src)
+            return False
+        self._dequantize_into(slot, [src.to(self.device) for src in payload])
+        return True
+
+    def place_layer(self, layer: int, first_slot: int) -> None:
+        """The resident load put ``layer``'s experts in consecutive slots from ``first_slot``."""
+        n = self.store.num_experts
+        self._table[layer] = torch.arange(first_slot, first_slot + n, device=self.device)
+
+    def close(self) -> None:
+        self.buffers, self.slot_views, self.pool = [], [], []
+
+    def _dequantize_into(self, slot: int, stored: list[torch.Tensor]) -> None:
+        for dst, w in zip(self.weights(slot), self.store.dequantize(stored, self.dtype), strict=True):
+            dst.copy_(w)
