@@ -83,8 +83,12 @@ class Health:
             self._count_load_failure(slot, key, f"model load failed: {cause_line(exc)}", str(exc), died=False)
 
     def _refuse_key(self, slot: Slot, key: LoadKey, status: Status, reason: str) -> None:
-        """The load failed on an input error that a retry would meet again: every cell of the key, at once."""
+        """The load failed on an input error that a retry would meet again: every cell of the key, at once —
+        unless another box holds the model loaded: then this box lacks it (out of rotation), the cells wait."""
         self.pool.kill(slot)
+        if any(s.key == key and s.holds_model and s.loading is None for s in self.pool.slots):  # loaded there
+            self.take_out(slot.box, f"cannot load {key[0]} here, as another box can: {reason}")
+            return
         dropped = self.scheduler.drop_key(key)
         where = {"runner": slot.name, "model": key[0], "load_group": key[1]}
         self._event(
