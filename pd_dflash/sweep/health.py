@@ -8,7 +8,8 @@
 - a model load that fails or outlives ``load_timeout_s`` is counted per load key; after ``max_attempts``
   failures that key's cells become ERROR rows; a load that fails on a deterministic input error (the engine's
   ``InputError`` or ``Refused``: a model path that is not there, no CUDA) is not retried: the key's cells are
-  REFUSED at once with the named reason (``runner.input_refusal``);
+  REFUSED at once with the named reason (``runner.input_refusal``) — or, when another box holds the model
+  loaded, the failing box is taken out of rotation (it lacks the input) and the cells run elsewhere;
 - a box whose runners fail ``breaker_threshold`` times in a row, whose node leaves the cluster or whose device
   does not match the spec is taken out of rotation (log line + sweep.json) and its cells go to the other boxes;
   boxes that join the cluster get slots.
