@@ -8,7 +8,8 @@
 - a model load that fails or outlives ``load_timeout_s`` is counted per load key; after ``max_attempts``
   failures that key's cells become ERROR rows; a load that fails on a deterministic input error (the engine's
   ``InputError`` or ``Refused``: a model path that is not there, no CUDA) is not retried: the key's cells are
-  REFUSED at once with the named reason (``runner.input_refusal``);
+  REFUSED at once with the named reason (``runner.input_refusal``) — or, when another box holds the model
+  loaded, the failing box is taken out of rotation (it lacks the input) and the cells run elsewhere;
 - a box whose runners fail ``breaker_threshold`` times in a row, whose node leaves the cluster or whose device
   does not match the spec is taken out of rotation (log line + sweep.json) and its cells go to the other boxes;
   boxes that join the cluster get slots.
@@ -83,8 +84,12 @@ class Health:
             self._count_load_failure(slot, key, f"model load failed: {cause_line(exc)}", str(exc), died=False)
 
     def _refuse_key(self, slot: Slot, key: LoadKey, status: Status, reason: str) -> None:
-        """The load failed on an input error that a retry would meet again: every cell of the key, at once."""
+        """The load failed on an input error that a retry would meet again: every cell of the key, at once —
+        unless another box holds the model loaded: then this box lacks it (out of rotation), the cells wait."""
         self.pool.kill(slot)
+        if any(s.key == key and s.holds_model and s.loading is None for s in self.pool.slots):  # loaded there
+            self.take_out(slot.box, f"cannot load {key[0]} here, as another box can: {reason}")
+            return
         dropped = self.scheduler.drop_key(key)
         where = {"runner": slot.name, "model": key[0], "load_group": key[1]}
         self._event(

@@ -18,6 +18,8 @@ class LoadFaultOptions(FixedDurationOptions):
     fail_load: bool = False
     #: Raise a deterministic input error from the constructor: "input" (InputError) or "refused" (Refused).
     bad_input: str | None = None
+    #: Only on the node with this id (after a second more than the others take: a box that lacks the input).
+    bad_input_node: str | None = None
 
 
 class LoadFaultEngine(FixedDurationEngine):
@@ -29,6 +31,12 @@ class LoadFaultEngine(FixedDurationEngine):
         Engine.__init__(self, ctx)
         self.options = LoadFaultOptions.model_validate(ctx.model.engine_options)
         time.sleep(self.options.load_seconds)
+        if self.options.bad_input_node is not None:
+            import ray
+
+            if ray.get_runtime_context().get_node_id() == self.options.bad_input_node:
+                time.sleep(1.0)
+                raise InputError(f"/data/{ctx.model.id} does not exist on this box", where="models[].path")
         if self.options.bad_input == "input":
             raise InputError(f"/nowhere/{ctx.model.id} does not exist on this box", where="models[].path")
         if self.options.bad_input == "refused":

@@ -115,3 +115,33 @@ def test_the_reference_engine_refuses_a_bad_path_or_device_without_retrying(
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events].count("model_refused") == 1
     assert not [e for e in events if e["event"] == "load_failed"]
+
+
+def test_a_box_that_lacks_an_input_another_box_has_is_taken_out_and_the_cells_run(tmp_path, monkeypatch):
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.chdir(REPO)
+    if ray.is_initialized():
+        ray.shutdown()
+    box = {"num_cpus": 1, "num_gpus": 1, "object_store_memory": 100 * 2**20}
+    box["resources"] = {"accelerator_type:RTX-PRO-6000": 1}
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 * 2**20})
+    try:
+        good, bad = c.add_node(**box), c.add_node(**box)
+        c.wait_for_nodes()
+        ray.init(address=c.address, log_to_driver=False)
+        options = {"seconds": 0.3, "bad_input_node": bad.node_id}  # 12 cells: 3.6 s of work on one box
+        spec = make_spec(engine=LOAD_FAULT, models=[{"id": "m1", "engine_options": options}], repeats=2)
+        out = tmp_path / "out"
+        opts = RunOptions(out_dir=str(out), progress=False, poll_s=0.2, plots=False, insecure=True)
+        run_sweep(spec, opts)
+        rows = stored_rows(out)
+        assert len(rows) == len(expand(spec)) and all(r.status == Status.OK for r in rows)
+        assert {r.runner["node_id"] for r in rows} == {good.node_id}
+        events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+        (out_event,) = [e for e in events if e["event"] == "box_out_of_rotation"]
+        assert out_event["node_id"] == bad.node_id and "cannot load m1 here" in out_event["reason"]
+        assert not [e for e in events if e["event"] == "model_refused"]
+    finally:
+        ray.shutdown()
+        c.shutdown()

@@ -24,10 +24,10 @@ def runner_host_memory_bytes(model: ModelSpec) -> int | None:
     """Peak host bytes of a runner loading ``model`` (see the module doc), or None when not known."""
     if model.preset is not None:
         return None
-    found = resolve(model.id, model.path)
-    if found.directory is None or found.source == "tiny-real":
-        return None
     try:
+        found = resolve(model.id, model.path)
+        if found.directory is None or found.source == "tiny-real":
+            return None
         checked = check_checkpoint(found.directory)
     except InputError:
         return None  # the engine's load names the problem

@@ -230,3 +230,26 @@ def test_plan_names_a_malformed_checkpoint_and_exits_2(qwen, tmp_path, capsys):
     assert main(["plan", str(spec)]) == 2
     err = capsys.readouterr().err
     assert "models.0" in err and INDEX in err and "weight_map" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("ref", [b"\xff\xfe", b"", b"../../etc", b"a/b"])
+def test_a_hub_cache_ref_that_is_not_a_revision_is_named(tmp_path, ref):
+    from pd_dflash.engine.reference.checkpoints.resolve import resolve
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_bytes(ref)
+    with pytest.raises(InputError, match="not a revision name") as err:
+        resolve("org/tiny", env={"HF_HOME": str(tmp_path)})
+    assert err.value.where == str(repo / "refs" / "main")
+
+
+def test_a_chat_template_json_is_typed(qwen):
+    (qwen / "chat_template.jinja").unlink()
+    (qwen / "tokenizer_config.json").write_text("{}")
+    (qwen / "chat_template.json").write_text(json.dumps({"chat_template": ["x"]}))
+    with pytest.raises(InputError, match=r"chat_template\.json.*chat_template"):
+        check_checkpoint(qwen, chat_template_for="org/Qwen-Instruct")
+    (qwen / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    check_checkpoint(qwen, chat_template_for="org/Qwen-Instruct")

@@ -146,8 +146,11 @@ def generation_eos_ids(directory: Path) -> list[int] | None:
 def has_chat_template(directory: Path) -> bool:
     """A chat template saved beside the tokenizer (``chat_template.jinja``/``.json`` or tokenizer_config.json);
     a tokenizer_config.json that is malformed is an InputError naming it."""
-    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
+    if (directory / "chat_template.jinja").is_file():
         return True
+    if (directory / "chat_template.json").is_file():
+        path = directory / "chat_template.json"
+        return bool(checked(TokenizerConfigFields, read_json_object(path), str(path)).chat_template)
     path = directory / "tokenizer_config.json"
     if not path.is_file():
         return False

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pd_dflash.errors import InputError, excerpt
+
 #: Tiny random checkpoints in the real layouts, generated into the engine's cache on first use
 #: (``checkpoints.tiny``) and then loaded like any other checkpoint.
 TINY_REAL = ("tiny-real-qwen3-moe", "tiny-real-gpt-oss")
@@ -45,11 +47,26 @@ def hub_snapshot(repo_id: str, env: Mapping[str, str] | None = None) -> tuple[Pa
     repo = hub_cache(env) / ("models--" + repo_id.replace("/", "--"))
     ref = repo / "refs" / "main"
     if ref.is_file():
-        snap = repo / "snapshots" / ref.read_text().strip()
+        snap = repo / "snapshots" / _revision(ref)
         if snap.is_dir():
             return snap, repo
     snaps = sorted(p for p in (repo / "snapshots").glob("*") if p.is_dir()) if repo.is_dir() else []
     return (snaps[-1] if len(snaps) == 1 else None), repo
+
+
+def _revision(ref: Path) -> str:
+    """The revision a hub cache's ``refs/main`` names: one plain directory name (a commit hash)."""
+    try:
+        with open(ref, "rb") as fh:
+            text = fh.read(257).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    if not text or len(text) > 256 or Path(text).name != text or text in (".", ".."):
+        raise InputError(
+            f"not a revision name (expected a commit hash): {excerpt(text) if text else 'unreadable or empty'}",
+            where=str(ref),
+        )
+    return text
 
 
 def resolve(
