@@ -408,10 +408,11 @@ def write_atomic(path: str | Path, content: str | bytes | Callable[[TextIO], Non
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: some filesystems cannot fsync a directory)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from pd_dflash.rows import fsync_dir
 from pd_dflash.schema import Row
 from pd_dflash.spec import SweepSpec
 
@@ -47,7 +48,7 @@ def write_matrix_set(
         except OSError as exc:
             raise _failed(exc, stage, out_dir) from None
         for folder in {(out_dir / name).parent for name in staged}:
-            _fsync_dir(folder)
+            fsync_dir(folder)
         return verdict
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -81,16 +82,3 @@ def remove_matrices(out_dir: Path) -> list[str]:
                 path.unlink(missing_ok=True)
                 removed.append(str(path.relative_to(out_dir)))
     return removed
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems cannot fsync a directory; each rename is atomic anyway
-    finally:
-        os.close(fd)
