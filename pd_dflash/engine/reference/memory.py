@@ -4,7 +4,9 @@ becomes a REFUSED row, never an out-of-memory ERROR halfway through a cell.
 
 What is available:
 
-- host: ``MemAvailable`` from ``/proc/meminfo``, lowered to the cgroup's headroom when the process runs under a
+- host: from ``/proc/meminfo`` the larger of ``MemAvailable`` and ``MemTotal − used`` (used as ``free(1)`` counts
+  it: ``MemTotal − MemFree − Buffers − Cached − SReclaimable + Shmem``; a VM whose memory grows as it is used
+  reports a low ``MemAvailable`` for memory it will hand out), lowered to the cgroup's headroom when the process runs under a
   limit (a container, a Ray worker with a memory limit): the limit minus what is in use, where the page cache
   the kernel can reclaim (``memory.stat`` ``inactive_file``) is not in use — a cgroup's usage counts the page
   cache of every file read, so after one 61 GB checkpoint read a second runner would otherwise be refused memory
@@ -45,7 +47,7 @@ def host_available_bytes(
 ) -> int | None:
     """Host memory this process can still use, in bytes (None where it cannot be read); the paths are
     parameters so a test can inject figures."""
-    figures = [_meminfo_available(meminfo), cgroup_headroom(cgroup_root)]
+    figures = [meminfo_headroom(meminfo), cgroup_headroom(cgroup_root)]
     known = [f for f in figures if f is not None]
     return min(known) if known else None
 
@@ -119,14 +121,24 @@ def kv_cache_bytes(config, tokens_per_request: int, requests: int, element_size:
     return per_token * tokens_per_request * requests
 
 
-def _meminfo_available(path: Path) -> int | None:
+def meminfo_headroom(path: Path = Path("/proc/meminfo")) -> int | None:
+    """The larger of ``MemAvailable`` and ``MemTotal − used`` (None where /proc/meminfo says neither)."""
+    info = {}
     try:
         for line in path.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+            key, _, rest = line.partition(":")
+            fields = rest.split()
+            if fields and fields[0].isdigit():
+                info[key] = int(fields[0]) * 1024  # kB
     except OSError:
-        pass
-    return None
+        return None
+    figures = [info.get("MemAvailable")]
+    if "MemTotal" in info and "MemFree" in info:
+        cache = sum(info.get(k, 0) for k in ("Buffers", "Cached", "SReclaimable")) - info.get("Shmem", 0)
+        used = info["MemTotal"] - info["MemFree"] - cache
+        figures.append(info["MemTotal"] - max(0, used))
+    known = [f for f in figures if f is not None]
+    return max(known) if known else None
 
 
 def _read_int(path: Path) -> int | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pd_dflash.engine.reference.memory import cgroup_headroom, host_available_bytes
+from pd_dflash.engine.reference.memory import cgroup_headroom, host_available_bytes, meminfo_headroom
 
 GB = 10**9
 
@@ -58,3 +58,19 @@ def test_cgroup_v1_uses_total_inactive_file(tmp_path):
         f"cache {40 * GB}\ninactive_file {5 * GB}\ntotal_inactive_file {30 * GB}\n"
     )
     assert cgroup_headroom(tmp_path / "cg") == 34 * GB
+
+
+def test_memtotal_minus_used_counts_where_memavailable_is_low(tmp_path):
+    """A VM whose memory grows as used reports a low MemAvailable: MemTotal − used (free(1)'s used) says more."""
+    info = tmp_path / "meminfo"
+    kb = GB // 1024
+    info.write_text(
+        f"MemTotal: {128 * kb} kB\nMemFree: {20 * kb} kB\nMemAvailable: {8 * kb} kB\nBuffers: {1 * kb} kB\n"
+        f"Cached: {40 * kb} kB\nSReclaimable: {3 * kb} kB\nShmem: {4 * kb} kB\n"
+    )
+    # used = 128 − 20 − (1 + 40 + 3 − 4) = 68 GB, so 60 GB are free for the taking, not MemAvailable's 8 GB.
+    assert meminfo_headroom(info) == 60 * kb * 1024
+    assert host_available_bytes(tmp_path / "no-cgroup", info) == 60 * kb * 1024
+    # And where MemAvailable says more (a plain host), it is kept.
+    info.write_text(f"MemTotal: {128 * kb} kB\nMemFree: {2 * kb} kB\nMemAvailable: {90 * kb} kB\n")
+    assert meminfo_headroom(info) == 90 * kb * 1024
