@@ -504,7 +504,8 @@ def engine_row(engine, cell, device, args, *, mxfp4: bool) -> dict[str, Any]:
                 row["predicted_experts_per_round_median"] = statistics.median(predicted)
     with timed_loop(engine, device, count=True, dequantise=mxfp4) as box:
         counted_result = engine.run_cell(cell)
-    row.update(_count_figures(box["capture"], counted_result, moe_layers=len(engine.store.layer_ids)))
+    moe_layers = int(engine.describe()["moe_layers"])
+    row.update(_count_figures(box["capture"], counted_result, moe_layers=moe_layers))
     if row.get("output_digest") != counted_result.engine.get("output_digest"):
         row["warnings"] = ["the counting run generated different tokens than the timing run"]
     if args.profile:
@@ -532,6 +533,9 @@ def _timing_figures(result, cap: Capture) -> dict[str, Any]:
         "expert_cache_hit_rate": result.expert_cache_hit_rate,
         "output_digest": result.engine.get("output_digest"),
     }
+    prefills = [r for r in cap.rounds if any(r.prefill)]
+    out["prefill_rounds_ms"] = sum(r.seconds for r in prefills) * 1e3
+    out["outside_rounds_ms"] = (cap.seconds - sum(r.seconds for r in cap.rounds)) * 1e3
     if verify:
         out["ms_per_round"] = statistics.mean(r.seconds for r in verify) * 1e3
         out["ms_per_verify_forward"] = statistics.mean(r.forward_seconds for r in verify) * 1e3
@@ -718,6 +722,7 @@ class Report:
                 "repeats": args.repeats,
                 "quick": args.quick,
             },
+            "load_average_at_start": list(os.getloadavg()),
             "geometries": {},
             "warnings": [],
         }
@@ -764,6 +769,7 @@ class Report:
 
     def finish(self) -> None:
         self.doc["status"] = "complete"
+        self.doc["load_average_at_end"] = list(os.getloadavg())
         self.write()
 
     def write(self) -> None:
@@ -848,9 +854,12 @@ def _row_line(name: str, row: dict[str, Any]) -> str:
 
 def render(doc: dict[str, Any]) -> str:
     """The markdown tables of a report (docs/engine-overhead.md)."""
+    load = doc.get("load_average_at_start")
     out = [
         f"`{doc['command']}` — {doc['device_name']}, torch {doc['torch']}, transformers {doc['transformers']}, "
-        f"{doc['threads']} thread(s); status: {doc['status']}",
+        f"{doc['threads']} thread(s)"
+        + (f", load average {load[0]:.1f} at the start" if load else "")
+        + f"; status: {doc['status']}",
         "",
     ]
     for name, g in doc["geometries"].items():
