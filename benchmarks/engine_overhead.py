@@ -891,7 +891,10 @@ def render(doc: dict[str, Any]) -> str:
                     )
         out += ["", "| ratio | value |", "|---|---|"]
         for k, v in g["ratios"].items():
-            shown = ", ".join(f"c={c}: {x:,.0f}" for c, x in v.items()) if isinstance(v, dict) else f"{v:.2f}"
+            if isinstance(v, dict):  # ops per token by concurrency
+                shown = ", ".join(f"c={c}: {v[c]:,.0f}" for c in sorted(v, key=int))
+            else:
+                shown = f"{v:.2f}"
             out.append(f"| {k} | {shown} |")
         if "bm2" in g:
             b = g["bm2"]
