@@ -82,13 +82,17 @@ def write_tokenizer(path: Path, specials: list[str], template: str, eos: str) ->
     return vocab
 
 
-def write_tiny_qwen3_moe(path: Path, seed: int = 0) -> dict[str, Any]:
+def write_tiny_qwen3_moe(
+    path: Path, seed: int = 0, *, max_shard_size: str = "200KB", **overrides: Any
+) -> dict[str, Any]:
+    """``overrides`` replace config fields, e.g. a real routing geometry (``num_hidden_layers``,
+    ``num_experts``, ``num_experts_per_tok``: ``benchmarks/engine_overhead.py``)."""
     from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(path, _QWEN_SPECIALS, QWEN_TEMPLATE, eos="<|im_end|>")
-    config = Qwen3MoeConfig(
-        **_COMMON,
+    fields = dict(
+        _COMMON,
         num_experts=8,
         moe_intermediate_size=32,
         intermediate_size=128,
@@ -97,26 +101,30 @@ def write_tiny_qwen3_moe(path: Path, seed: int = 0) -> dict[str, Any]:
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0},
         pad_token_id=ids["<|endoftext|>"],
     )
+    config = Qwen3MoeConfig(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
     model.generation_config = GenerationConfig(pad_token_id=ids["<|endoftext|>"])
-    model.save_pretrained(str(path), max_shard_size="200KB")  # sharded + index, like the hub checkpoint
+    model.save_pretrained(str(path), max_shard_size=max_shard_size)  # sharded + index, like the hub
     return {"layout": "qwen3-moe hub layout, bf16", "seed": seed}
 
 
-def write_tiny_gpt_oss(path: Path, seed: int = 0) -> dict[str, Any]:
-    """Random non-expert weights from the model class (bf16); random MXFP4 codes and scales for the experts."""
+def write_tiny_gpt_oss(path: Path, seed: int = 0, **overrides: Any) -> dict[str, Any]:
+    """Random non-expert weights from the model class (bf16); random MXFP4 codes and scales for the experts.
+    ``overrides`` replace config fields (layers alternate sliding and full attention, as published)."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(path, _HARMONY_SPECIALS, HARMONY_TEMPLATE, eos="<|return|>")
-    config = GptOssConfig(
-        **_COMMON,
+    layers = int(overrides.get("num_hidden_layers", _COMMON["num_hidden_layers"]))
+    alternating = [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
+    fields = dict(
+        _COMMON,
         num_local_experts=8,
         intermediate_size=64,
         sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
+        layer_types=alternating,
         max_position_embeddings=131072,
         rope_parameters={
             "rope_type": "yarn",
@@ -129,6 +137,7 @@ def write_tiny_gpt_oss(path: Path, seed: int = 0) -> dict[str, Any]:
         },
         pad_token_id=ids["<|endoftext|>"],
     )
+    config = GptOssConfig(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = GptOssForCausalLM(config).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(seed + 1)
