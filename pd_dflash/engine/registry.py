@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from pd_dflash.baselines import ORDER
+from pd_dflash.baselines import GATED, ORDER
 from pd_dflash.errors import InputError, excerpt, format_validation_error
 from pd_dflash.spec import ModelSpec, SweepSpec, load_spec
 from pd_dflash.spec_inputs import check_here
@@ -100,6 +100,15 @@ BUILTIN: dict[str, EngineTraits] = {
         entry_point="pd_dflash.engine.moe_infinity.engine:MoEInfinityEngine",
         options_model="pd_dflash.engine.moe_infinity.options:MoEInfinityOptions",
         separate_resident_load=True,
+        # The adapter switches MoE-Infinity's own prefetcher and verify budgets for Phase A's configurations; the
+        # ablations (RA, AR2D) recombine the reference engine's parts, which MoE-Infinity does not expose apart.
+        supported_baselines=frozenset(GATED),
+        unsupported_reason={
+            name: f"{name} is an ablation of the reference engine (baselines.py); MoE-Infinity's adapter runs "
+            "Phase A's configurations only"
+            for name in ORDER
+            if name not in GATED
+        },
         requires=("torch", "moe_infinity"),
         install_hints={
             "moe_infinity": "engine 'moe_infinity' runs on GPU boxes with MoE-Infinity installed in the runners' "

@@ -73,3 +73,24 @@ def test_every_configuration_expands_as_its_entry_says(name):
     c = configuration(name)
     assert len(cells) == (1 if c.block_independent else 2)
     assert all(cell.offloaded == c.offloaded and cell.speculative == c.speculative for cell in cells)
+
+
+def test_moe_infinity_refuses_the_reference_ablations_at_plan():
+    """RA and AR2D recombine the reference engine's own parts: the MoE-Infinity adapter would run another
+    configuration under their name, so the plan blocks them with the reason."""
+    from pd_dflash.engine.registry import blocked_reason
+
+    spec = parse_spec(
+        {
+            "name": "t",
+            "engine": "moe_infinity",
+            "models": [{"id": "m", "offload_dir": "/tmp/off"}],
+            "baselines": ["B1", "RA", "AR2D"],
+            "block_sizes": [8],
+            "concurrency": [1],
+            "repeats": 1,
+        }
+    )
+    reasons = {c.baseline: blocked_reason("moe_infinity", c) for c in expand(spec)}
+    assert reasons["B1"] is None
+    assert "ablation of the reference engine" in reasons["RA"] and "AR2D" in reasons["AR2D"]
