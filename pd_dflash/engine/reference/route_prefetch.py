@@ -48,6 +48,7 @@ import bisect
 import time
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from pd_dflash.engine.nvtx_ranges import nvtx_range
@@ -264,7 +265,7 @@ class RouteAheadPrefetcher:
     def after_layer(self, cache, layer: int, routed: torch.Tensor) -> None:
         """Layer ``layer`` has acquired its experts and computes now: its unissued keys are moot (fetched on
         demand); keep the link busy with the next layers' keys."""
-        self._routed[layer] = routed.detach()
+        self._routed[layer] = routed  # the layer's routing on the host (``OffloadRuntime.routing_to_host``)
         self.counters["late"] += self._queue.drop_through(self.position[layer])
         self._pump(cache)
 
@@ -280,7 +281,7 @@ class RouteAheadPrefetcher:
         for rid, rows in self._owners:
             if rid not in finished and self._routed:
                 self.history[rid] = {
-                    layer: frozenset(torch.unique(r[row : row + rows]).tolist())
+                    layer: frozenset(np.unique(np.asarray(r[row : row + rows])).tolist())
                     for layer, r in self._routed.items()
                 }
             row += rows
