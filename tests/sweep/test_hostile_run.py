@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,15 +23,6 @@ from pd_dflash.sweep.resume import current_rows
 from tests.sweep.helpers import REPO, kill_pids, processes_using, run_cli, spec_data, write_spec
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture
-def ray_tmp():
-    """A short private Ray temp dir (unix socket paths are limited to 107 bytes); everything in it is ours."""
-    path = tempfile.mkdtemp(prefix="pdh", dir="/tmp")
-    yield path
-    kill_pids(processes_using(path))
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def short_spec(tmp_path, repeats=2, seconds=0.4):

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -25,15 +23,6 @@ from tests.row_checks import assert_matrix_matches_rows
 from tests.sweep.helpers import REPO, kill_pids, processes_using, recorded, run_cli, spec_data, write_spec
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture
-def ray_tmp():
-    """A short private Ray temp dir (unix socket paths are limited to 107 bytes); everything in it is ours."""
-    path = tempfile.mkdtemp(prefix="pdk", dir="/tmp")
-    yield path
-    kill_pids(processes_using(path))
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def stored_ids(out: Path) -> list[str]:

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +21,6 @@ from pd_dflash.sweep.resume import current_rows
 from tests.sweep.helpers import (
     REPO,
     is_loopback,
-    kill_pids,
     listening_sockets,
     processes_using,
     spec_data,
@@ -31,15 +28,6 @@ from tests.sweep.helpers import (
 )
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture
-def ray_tmp():
-    """A short private Ray temp dir (unix socket paths are limited to 107 bytes); everything in it is ours."""
-    path = tempfile.mkdtemp(prefix="pds", dir="/tmp")
-    yield path
-    kill_pids(processes_using(path))
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def stored(out: Path) -> list:

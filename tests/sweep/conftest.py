@@ -1,0 +1,19 @@
+"""Fixtures shared by the sweep tests."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import pytest
+
+from tests.sweep.helpers import kill_pids, processes_using
+
+
+@pytest.fixture
+def ray_tmp():
+    """A short private Ray temp dir (unix socket paths are limited to 107 bytes); everything in it is ours."""
+    path = tempfile.mkdtemp(prefix="pdr", dir="/tmp")
+    yield path
+    kill_pids(processes_using(path))
+    shutil.rmtree(path, ignore_errors=True)
