@@ -60,6 +60,15 @@ def stored_rows(out: Path) -> list[Row]:
     return rows
 
 
+def stored_so_far(out: Path) -> list[Row]:
+    """The rows stored until now (a sweep may still be writing, or not have created the file yet)."""
+    path = out / "rows.jsonl"
+    if not path.exists():
+        return []
+    rows, _ = read_rows(path, tolerate_torn_tail=True)
+    return rows
+
+
 def recorded(path: Path) -> list[str]:
     """Cell ids the test engines started, in order (one line per start)."""
     if not path.exists():

@@ -16,11 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from pd_dflash.rows import encode_row, read_rows
+from pd_dflash.rows import encode_row
 from pd_dflash.schema import Status
 from pd_dflash.spec import expand, parse_spec
 from pd_dflash.sweep.resume import current_rows
-from tests.sweep.helpers import REPO, kill_pids, processes_using, run_cli, spec_data, write_spec
+from tests.sweep.helpers import (
+    REPO,
+    kill_pids,
+    processes_using,
+    run_cli,
+    spec_data,
+    stored_so_far,
+    write_spec,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -34,14 +42,6 @@ def short_spec(tmp_path, repeats=2, seconds=0.4):
         repeats=repeats,
     )
     return write_spec(tmp_path / "spec.yaml", data), parse_spec(data)
-
-
-def stored(out: Path) -> list:
-    path = out / "rows.jsonl"
-    if not path.exists():
-        return []
-    rows, _ = read_rows(path, tolerate_torn_tail=True)
-    return rows
 
 
 def start(spec_path, out, ray_tmp, **popen):
@@ -58,9 +58,9 @@ def start(spec_path, out, ray_tmp, **popen):
 
 def wait_for_rows(driver, out, n, timeout=120.0):
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and len(stored(out)) < n and driver.poll() is None:
+    while time.monotonic() < deadline and len(stored_so_far(out)) < n and driver.poll() is None:
         time.sleep(0.05)
-    assert driver.poll() is None and len(stored(out)) >= n, "the sweep did not get going in time"
+    assert driver.poll() is None and len(stored_so_far(out)) >= n, "the sweep did not get going in time"
 
 
 def finish(driver, timeout=120.0):
@@ -104,7 +104,7 @@ def test_losing_the_local_node_is_said_recorded_and_resumable(tmp_path, ray_tmp,
     assert "collector_restarts" not in run
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "cluster_lost" and program in events[-1]["cause"]
-    rows = stored(out)
+    rows = stored_so_far(out)
     assert len({r.cell_id for r in rows}) == len(rows) and record["counts"]["stored"] == len(rows)
     if program == "raylet":  # and the run resumes cleanly: every cell once
         kill_pids(processes_using(ray_tmp))
@@ -112,7 +112,7 @@ def test_losing_the_local_node_is_said_recorded_and_resumable(tmp_path, ray_tmp,
             "run", str(spec_path), "--out", str(out), "--resume", "--no-progress", env={"RAY_TMPDIR": ray_tmp}
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        ids = [r.cell_id for r in stored(out)]
+        ids = [r.cell_id for r in stored_so_far(out)]
         assert Counter(ids) == Counter(c.cell_id for c in expand(spec))
 
 
@@ -149,7 +149,7 @@ def test_resume_sets_aside_tampered_rows_repairs_events_and_remeasures(tmp_path,
     out = tmp_path / "out"
     first = run_cli("run", str(spec_path), "--out", str(out), "--no-progress", env={"RAY_TMPDIR": ray_tmp})
     assert first.returncode == 0, first.stdout + first.stderr
-    rows = stored(out)
+    rows = stored_so_far(out)
     a, b, c = rows[0], rows[1], rows[2]
     tampered = a.model_copy(update={"output_tokens_per_second": 1e9})
     lying = c.model_copy(update={"cell_id": b.cell_id})  # b's id, c's identity; b's own row is gone
@@ -167,9 +167,9 @@ def test_resume_sets_aside_tampered_rows_repairs_events_and_remeasures(tmp_path,
     assert "set aside 3 stored rows that `pd-dflash report` would refuse" in said
     assert "duplicate identity" in said and "does not match cell" in said
     assert "repaired events.jsonl" in said and (out / "events.jsonl.torn").exists()
-    final = current_rows(stored(out))
+    final = current_rows(stored_so_far(out))
     by_id = {r.cell_id: r for r in final}
-    assert len(final) == len(expand(spec)) == len(stored(out))
+    assert len(final) == len(expand(spec)) == len(stored_so_far(out))
     assert by_id[a.cell_id].output_tokens_per_second != 1e9 and by_id[b.cell_id].identity == b.identity
     assert all(r.status == Status.OK for r in final)
     report = run_cli("report", str(out), "--out", str(tmp_path / "report"), "--spec", str(spec_path))
@@ -189,4 +189,4 @@ def test_a_hangup_under_nohup_is_ignored_and_the_sweep_finishes(tmp_path, ray_tm
     stdout, stderr = finish(driver)
     assert driver.returncode == 0, stdout + stderr
     assert json.loads((out / "sweep.json").read_text())["runs"][-1]["outcome"] == "finished"
-    assert len(current_rows(stored(out))) == len(expand(spec))
+    assert len(current_rows(stored_so_far(out))) == len(expand(spec))

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from pd_dflash.rows import read_rows
 from pd_dflash.sweep.resume import current_rows
 from tests.sweep.helpers import (
     REPO,
@@ -24,18 +23,11 @@ from tests.sweep.helpers import (
     listening_sockets,
     processes_using,
     spec_data,
+    stored_so_far,
     write_spec,
 )
 
 pytestmark = pytest.mark.ray
-
-
-def stored(out: Path) -> list:
-    path = out / "rows.jsonl"
-    if not path.exists():
-        return []
-    rows, _ = read_rows(path, tolerate_torn_tail=True)
-    return rows
 
 
 @pytest.mark.parametrize(
@@ -63,9 +55,9 @@ def test_a_signal_stops_the_sweep_cleanly_and_records_what_is_stored(tmp_path, r
     )
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(stored(out)) < 4 and driver.poll() is None:
+        while time.monotonic() < deadline and len(stored_so_far(out)) < 4 and driver.poll() is None:
             time.sleep(0.05)
-        assert driver.poll() is None and len(stored(out)) >= 4, "the sweep did not get going in time"
+        assert driver.poll() is None and len(stored_so_far(out)) >= 4, "the sweep did not get going in time"
         ray_pids = processes_using(ray_tmp)
         sockets = listening_sockets([driver.pid, *ray_pids])
         assert len(ray_pids) >= 3 and sockets, (ray_pids, sockets)  # GCS, raylet, workers... all seen
@@ -83,7 +75,7 @@ def test_a_signal_stops_the_sweep_cleanly_and_records_what_is_stored(tmp_path, r
     time.sleep(0.5)
     assert not [p for p in processes_using(ray_tmp) if Path(f"/proc/{p}").exists()]
 
-    rows = current_rows(stored(out))
+    rows = current_rows(stored_so_far(out))
     total = 2 * 3 * 2 * 3
     assert 4 <= len(rows) < total
     record = json.loads((out / "sweep.json").read_text())
