@@ -50,6 +50,10 @@ TIMED = [
     r"expert_occupancy_bytes|kv_occupancy_bytes",
     # ready when the verify acquired it: on the emulated link's timeline, which follows measured compute time
     r"prefetched_in_time_coverage",
+    # placement: a runner keeps its KV arena from its previous cell; the cell that loads the drafter is whichever
+    # runs first (timings.drafter_load exists only there)
+    r"engine\.kv_cache\.allocated_bytes_peak",
+    r"timings\.drafter_load",
 ]
 _TIMED = re.compile("|".join(f"(?:{p})" for p in TIMED))
 #: With c > 1 a deficit scheduler (B2, OURS) admits by measured cost, so which requests share a forward, and
@@ -61,6 +65,9 @@ SCHEDULED = [
     r"acceptance_length_a",
     r"engine\.verify_width\..*",
     r"engine\.draft_verify_rounds",
+    # counted per round and per verified row: which rows a round verifies follows the clock here
+    r"engine\.host_syncs\..*",
+    r"engine\.kv_cache\.in_use_bytes_peak",
 ]
 _SCHEDULED = re.compile("|".join(f"(?:{p})" for p in SCHEDULED))
 #: Configurations admitted by a deficit scheduler (their batches follow the clock when c > 1), and those whose
@@ -93,13 +100,18 @@ def load(path: Path) -> dict[tuple, dict]:
     return rows
 
 
+#: Fields whose presence follows the clock or the placement: the verify width's survival table has a key per
+#: width seen; ``timings.drafter_load`` exists only in the cell that loaded the drafter.
+PRESENCE = re.compile(r"engine\.verify_width\.survival\..*|timings\.drafter_load")
+
+
 def shape(flat: dict) -> set[str]:
     # series and per-layer tables vary in length with timing; compare their parents only
     # histogram keys are the values seen (their set follows the clock where the values do)
     return {
         re.sub(r"_histogram\.\d+$", "_histogram.*", re.sub(r"\[\d+\]", "[]", k))
         for k in flat
-        if not re.search(r"_series", k)
+        if not re.search(r"_series", k) and not PRESENCE.fullmatch(k)
     }
 
 
