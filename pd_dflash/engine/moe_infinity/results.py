@@ -233,7 +233,9 @@ def split_absences(derived: list[Derived], values: dict[str, Any]) -> tuple[list
     absent: dict[str, str] = {k: v for d in derived for k, v in d.absent.items()}
     for d in derived:
         for w in d.warnings:
-            name = next((k for k in REQUIRED_METRICS if values.get(k) is None and w.startswith(k)), None)
+            name = next(
+                (k for k in REQUIRED_METRICS if k in values and values[k] is None and w.startswith(k)), None
+            )
             if name is None:
                 notes.append(w)
             else:
