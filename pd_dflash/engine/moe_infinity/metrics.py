@@ -246,12 +246,7 @@ def observed_max_in_flight(traces: Iterable[RequestTrace]) -> int:
     return best
 
 
-def acceptance(committed_per_round: list[int], block_size: int) -> tuple[float | None, dict[int, int] | None]:
-    """τ = mean over rounds of min(accept + 1, B), as upstream, with the histogram of committed tokens."""
-    if not committed_per_round:
-        return None, None
-    clipped = [min(max(c, 1), block_size) for c in committed_per_round]
-    histogram: dict[int, int] = {}
-    for c in clipped:
-        histogram[c] = histogram.get(c, 0) + 1
-    return sum(clipped) / len(clipped), dict(sorted(histogram.items()))
+def clip_commits(committed_per_round: list[int], block_size: int) -> list[int]:
+    """Committed tokens per verify round as upstream counts them, min(accept + 1, B) (and at least 1): τ and its
+    histogram follow from these in ``measurement.py``."""
+    return [min(max(c, 1), block_size) for c in committed_per_round]

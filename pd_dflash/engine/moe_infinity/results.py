@@ -1,10 +1,12 @@
-"""From what the timed loop observed to the row: the ten metrics, cost terms, facts and warnings.
+"""From what the timed loop observed to the cell's trace: MoE-Infinity's readings vetted, with their sources.
 
-Metric definitions are in docs/metrics.md; per-request TTFT, TPOT and goodput use the shared rules of
-``pd_dflash.engine.request_metrics``. A metric the build cannot measure is absent with a warning (the row is
-PARTIAL), never 0.0, and a 0.0 from one of MoE-Infinity's wrappers counts only when the native getter behind it
-is present and nothing in the cell contradicts it. Before any metric is derived, ``checks.postconditions``
-refuses a measurement that did not run the configuration it is labelled with.
+The metrics themselves are derived once, for both engines, by ``pd_dflash.engine.measurement.engine_result``
+from the :class:`~pd_dflash.engine.measurement.CellTrace` built here (definitions in docs/metrics.md). What stays
+here is observation: which accessor a value came from, and whether a reading stands. A metric the build cannot
+measure is None in the trace with its reason (the row is PARTIAL), never 0.0, and a 0.0 from one of
+MoE-Infinity's wrappers counts only when the native getter behind it is present and nothing in the cell
+contradicts it. Before the trace is built, ``checks.postconditions`` refuses a measurement that did not run the
+configuration it is labelled with.
 """
 
 from __future__ import annotations
@@ -12,16 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_dflash.engine import nvml, request_metrics
-from pd_dflash.engine.interface import EngineContext
+from pd_dflash.engine import nvml
+from pd_dflash.engine.measurement import CellTrace, ExpertCacheTrace, LinkFacts, PrefetchTrace, Rounds
 from pd_dflash.engine.moe_infinity import checks
 from pd_dflash.engine.moe_infinity import metrics as m
 from pd_dflash.engine.moe_infinity.cells import CellPlan
 from pd_dflash.engine.moe_infinity.loading import Loaded
 from pd_dflash.engine.moe_infinity.measure import Observation
-from pd_dflash.engine.moe_infinity.serving import RoundLog
-from pd_dflash.schema import CostTerms, EngineResult, Status
 from pd_dflash.spec import Cell
+from pd_dflash.upstream import REQUIRED_METRICS
 
 
 @dataclass
@@ -32,32 +33,40 @@ class Derived:
     sources: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
+    #: Why each metric this derivation could not observe is absent (``CellTrace.absent``).
+    absent: dict[str, str] = field(default_factory=dict)
 
 
-def acceptance(plan: CellPlan, rounds: RoundLog | None, block_size: int) -> Derived:
-    """τ and its histogram from the verify rounds; autoregressive cells commit one token per round."""
-    if not plan.speculative:
-        return Derived((1.0, None))
-    a, histogram = m.acceptance(rounds.committed if rounds else [], block_size)
-    return Derived((a, histogram), warnings=[m.ABSENT["acceptance_length_a"]] if a is None else [])
-
-
-def per_round_latency(plan: CellPlan, cell: Cell, obs: Observation) -> Derived:
+def rounds(plan: CellPlan, cell: Cell, obs: Observation) -> Derived:
+    """The verify rounds as the trace holds them: commits clipped as upstream (min(accept + 1, B)), none observed
+    for an autoregressive cell (τ = 1 by construction), a request's chunk gaps as the round times, and the
+    verify rounds of a c = 1 speculative loop that ran inside one serving step (no per-round stream)."""
+    log, out = obs.rounds, Derived()
+    committed = None
+    if plan.speculative:
+        committed = m.clip_commits(log.committed if log else [], cell.block_size)
+        if not committed:
+            out.absent["acceptance_length_a"] = m.ABSENT["acceptance_length_a"]
     gaps = [g for t in obs.run.traces for g in t.chunk_gaps()]
-    if gaps:
-        return Derived(sum(gaps) / len(gaps))
-    rounds = obs.rounds
-    if plan.speculative and cell.concurrency == 1 and rounds and rounds.committed:
+    untimed = 0
+    if not gaps and plan.speculative and cell.concurrency == 1 and log and log.committed:
         # The request ran inside one serving step (no per-round stream); at c=1 the loop is sequential.
-        return Derived(
-            obs.run.elapsed / len(rounds.committed),
-            sources={
-                "per_round_latency_seconds": "timed loop / observed verify rounds (no per-round stream)"
-            },
+        untimed = len(log.committed)
+        out.sources["per_round_latency_seconds"] = "timed loop / observed verify rounds (no per-round stream)"
+    elif not gaps:
+        out.absent["per_round_latency_seconds"] = (
+            "per_round_latency_seconds absent: no request received tokens in two serving steps"
         )
-    return Derived(
-        warnings=["per_round_latency_seconds absent: no request received tokens in two serving steps"]
+    if log is not None and log.missing_accept:
+        out.warnings.append(f"{log.missing_accept} verify results carried no accept count (not counted)")
+    out.value = Rounds(
+        committed=committed,
+        seconds=gaps,
+        verify_seconds=log.verify_seconds if log else [],
+        draft_seconds=log.draft_seconds if log else None,
+        untimed=untimed,
     )
+    return out
 
 
 def prefetch_metrics(plan: CellPlan, obs: Observation) -> Derived:
@@ -217,107 +226,75 @@ def _facts(facts: dict[str, Any], cell: Cell, plan: CellPlan, obs: Observation, 
     return {**out, **extra}
 
 
-def _round_samples(rounds: RoundLog | None) -> tuple[dict[str, list[float]], list[str]]:
-    if rounds is None:
-        return {}, []
-    samples = {"draft_seconds": rounds.draft_seconds, "verify_seconds": rounds.verify_seconds}
-    missing = rounds.missing_accept
-    return samples, [f"{missing} verify results carried no accept count (not counted)"] if missing else []
+def split_absences(derived: list[Derived], values: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """The helpers' warnings as notes and absence reasons: a warning that starts with the name of a metric left
+    None in ``values`` is why that metric is absent (every reason keeps the metric's name first, ``metrics.py``)."""
+    notes: list[str] = []
+    absent: dict[str, str] = {k: v for d in derived for k, v in d.absent.items()}
+    for d in derived:
+        for w in d.warnings:
+            name = next(
+                (k for k in REQUIRED_METRICS if k in values and values[k] is None and w.startswith(k)), None
+            )
+            if name is None:
+                notes.append(w)
+            else:
+                absent[name] = f"{absent[name]}; {w}" if name in absent else w
+    return notes, absent
 
 
-def per_request(ctx: EngineContext, obs: Observation) -> Derived:
-    """Throughput, mean TTFT, goodput and the latency distributions over the timed requests."""
-    run = obs.run
-    timings = [t.timing() for t in run.traces]
-    tokens = sum(t.tokens for t in timings)
-    ttfts = [t.ttft for t in timings if t.ttft is not None]
-    round_samples, round_warnings = _round_samples(obs.rounds)
-    samples = {
-        **request_metrics.latency_samples(timings),
-        "round_seconds": [g for t in run.traces for g in t.chunk_gaps()],
-        **round_samples,
-    }
-    value = {
-        "output_tokens_per_second": tokens / run.elapsed,
-        "ttft_seconds": sum(ttfts) / len(ttfts) if ttfts else None,
-        "goodput_at_slo": request_metrics.goodput(timings, ctx.slo, run.elapsed),
-        "latency": request_metrics.latency_stats(samples),
-        "requests": len(timings),
-        "generated_tokens": tokens,
-    }
-    return Derived(value, warnings=round_warnings)
-
-
-def _cost_terms(
-    cell: Cell, coverage, wasted, exposed: float | None, h2d: float | None, cuda: bool
-) -> CostTerms:
-    return CostTerms(
-        route_ahead_coverage=coverage,
-        wasted_prefetch_bytes=int(wasted) if wasted is not None else None,
-        measured_h2d_bytes_per_second=h2d,
-        h2d_bandwidth_source="probe" if h2d is not None else None,
-        h2d_link=("real" if cell.offloaded else "none") if cuda else None,
-        exposed_fetch_seconds=exposed,
-    )
-
-
-def assemble(
-    ctx: EngineContext, loaded: Loaded, facts: dict, cell: Cell, plan: CellPlan, obs: Observation, h2d, cuda
-) -> EngineResult:
-    """The row's metrics from the observation; PARTIAL when any metric is absent."""
+def cell_trace(
+    loaded: Loaded, facts: dict, cell: Cell, plan: CellPlan, obs: Observation, h2d, cuda
+) -> CellTrace:
+    """The cell's trace from the observation (``measurement.engine_result`` turns it into the row)."""
     checks.postconditions(cell, plan, obs)
-    requests = per_request(ctx, obs)
-    accept, per_round = acceptance(plan, obs.rounds, cell.block_size), per_round_latency(plan, cell, obs)
+    timed, loop = [t.timing() for t in obs.run.traces], rounds(plan, cell, obs)
     prefetch, native, kv = prefetch_metrics(plan, obs), native_metrics(obs), kv_occupancy(plan, obs)
     exposed = exposed_fetch(obs, native.value["expert_cache_hit_rate"], loaded.num_offloaded)
     executions, execution_warnings = checks.model_executions(plan, obs)
-    (a, histogram), (coverage, wasted), req = accept.value, prefetch.value, requests.value
-    observed = m.observed_max_in_flight(obs.run.traces)
-    warnings = [
-        *loaded.warnings,
-        *obs.baseline.warnings,
-        *accept.warnings,
-        *per_round.warnings,
-        *prefetch.warnings,
-        *native.warnings,
-        *kv.warnings,
-        *exposed.warnings,
-        *([m.ABSENT["measured_h2d_bytes_per_second"]] if h2d is None else []),
-        *_concurrency_warnings(cell, observed, req["requests"]),
-        *requests.warnings,
-        *checks.route_ahead_observer(plan, obs),
-        *execution_warnings,
-    ]
+    coverage, wasted = prefetch.value
     values = {
-        "output_tokens_per_second": req["output_tokens_per_second"],
-        "acceptance_length_a": a,
-        "ttft_seconds": req["ttft_seconds"],
-        "per_round_latency_seconds": per_round.value,
-        "goodput_at_slo": req["goodput_at_slo"],
-        "expert_cache_hit_rate": native.value["expert_cache_hit_rate"],
+        **native.value,
         "route_ahead_prefetch_coverage": coverage,
-        "wasted_prefetch_bytes": wasted,
-        "expert_occupancy_bytes": native.value["expert_occupancy_bytes"],
+        "wasted_prefetch_bytes": int(wasted) if wasted is not None else None,
         "kv_occupancy_bytes": kv.value,
     }
-    sources = {**per_round.sources, **prefetch.sources, **native.sources, **kv.sources}
+    h2d_absent = Derived(warnings=[m.ABSENT["measured_h2d_bytes_per_second"]] if h2d is None else [])
+    observed = Derived(
+        warnings=_concurrency_warnings(cell, m.observed_max_in_flight(obs.run.traces), len(timed))
+    )
+    notes, absent = split_absences([loop, prefetch, native, kv, exposed, h2d_absent, observed], values)
+    sources = {**loop.sources, **prefetch.sources, **native.sources, **kv.sources}
     extra = {**kv.facts, **({"model_runner": executions} if executions else {})}
-    rounds, start = obs.rounds, obs.telemetry_start
+    start = obs.telemetry_start
     end = nvml.telemetry(0) if cuda else None
-    return EngineResult(
-        **values,
-        status=Status.OK if all(v is not None for v in values.values()) else Status.PARTIAL,
-        warnings=warnings,
-        cost_terms=_cost_terms(cell, coverage, wasted, exposed.value, h2d, cuda),
-        t_draft_seconds=sum(rounds.draft_seconds) if rounds and rounds.draft_seconds else None,
-        t_verify_seconds=sum(rounds.verify_seconds) if rounds and rounds.verify_seconds else None,
-        latency=req["latency"],
-        acceptance_histogram=histogram,
-        route_ahead=obs.stats if plan.route_ahead else None,
-        requests=req["requests"],
-        generated_tokens=req["generated_tokens"],
+    return CellTrace(
+        requests=timed,
+        rounds=loop.value,
         timed_seconds=obs.run.elapsed,
+        cache=ExpertCacheTrace(
+            hit_rate=values["expert_cache_hit_rate"],
+            peak_occupancy_bytes=values["expert_occupancy_bytes"],
+            exposed_fetch_seconds=exposed.value,
+        ),
+        prefetch=PrefetchTrace(
+            coverage=coverage,
+            wasted_bytes=values["wasted_prefetch_bytes"],
+            route_ahead=obs.stats if plan.route_ahead else None,
+        ),
+        kv_peak_bytes=kv.value,
+        link=LinkFacts(
+            kind=("real" if cell.offloaded else "none") if cuda else None, probe_bytes_per_second=h2d
+        ),
         engine=_facts(facts, cell, plan, obs, sources, extra),
         telemetry={"start": start, "end": end} if start or end else None,
         timings=obs.timings,
+        warnings=[
+            *loaded.warnings,
+            *obs.baseline.warnings,
+            *notes,
+            *checks.route_ahead_observer(plan, obs),
+            *execution_warnings,
+        ],
+        absent=absent,
     )

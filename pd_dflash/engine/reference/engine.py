@@ -20,7 +20,7 @@ import torch
 
 import pd_dflash
 from pd_dflash.baselines import configuration
-from pd_dflash.engine import nvml
+from pd_dflash.engine import measurement, nvml
 from pd_dflash.engine.interface import Engine, EngineContext, Refused
 from pd_dflash.engine.probe import measure_h2d_bytes_per_second
 from pd_dflash.engine.reference.admission import scheduler_for
@@ -39,7 +39,7 @@ from pd_dflash.engine.reference.memory import (
     require,
     require_cell_device_memory,
 )
-from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts, assemble
+from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts, cell_trace
 from pd_dflash.engine.reference.models import load_model, make_prompts
 from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
 from pd_dflash.engine.reference.options import ReferenceOptions
@@ -202,7 +202,8 @@ class ReferenceEngine(Engine):
             rounds, timed_seconds = self._timed(cell, setup)
             #: The timed loop's verify access trace and cache slots (``benchmarks/cache_policy.py``).
             self.last_trace = (setup.runtime.trace, setup.runtime.cache.num_slots, setup.runtime.timeline)
-            result = assemble(self._measurement(setup, rounds, warm_seconds, timed_seconds), self.ctx.slo)
+            measured = self._measurement(setup, rounds, warm_seconds, timed_seconds)
+            result = measurement.engine_result(cell_trace(measured), self.ctx.slo)
             result.warnings.extend((setup.drafter_facts or {}).get("warnings", []))
             return result
 

@@ -1,9 +1,10 @@
-"""From what one cell measured to an ``EngineResult`` — the metric definitions live here, next to the numbers.
+"""From what one reference cell measured to its :class:`~pd_dflash.engine.measurement.CellTrace`.
 
-Request metrics (TTFT, TPOT, e2e, goodput at the SLO) follow ``pd_dflash/engine/request_metrics.py``, written
-once for every engine. Throughput counts every generated token of the timed requests over the timed wall time
-(first admission to last completion; warm-up excluded). τ counts committed tokens per request per verify round.
-A metric that was not measured is left out with a warning and the row becomes PARTIAL — never a 0.0.
+This module reads the offload runtime and the rounds; ``pd_dflash/engine/measurement.py`` derives every metric
+from the trace, once, for both engines (definitions in docs/metrics.md). What is read here: τ's commits per
+request per verify round (a speculative prefill is not a verify round), the cache counters, the prefetcher's
+statistics and why a value is absent, the KV peak, the hide inequality's terms and BM4 overlap, and the engine
+facts the row carries. A metric that was not measured is left None with its reason — never a 0.0.
 """
 
 from __future__ import annotations
@@ -14,26 +15,19 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_dflash.costmodel import bm1_summary, evaluate_hide_inequality
+from pd_dflash.engine.measurement import (
+    CellTrace,
+    ExpertCacheTrace,
+    HideTerms,
+    LinkFacts,
+    PrefetchTrace,
+    Rounds,
+)
 from pd_dflash.engine.reference import host_sync
 from pd_dflash.engine.reference.decode import Request
 from pd_dflash.engine.reference.offload import OffloadRuntime
 from pd_dflash.engine.reference.serving import RoundRecord
 from pd_dflash.engine.reference.transfer_overlap import transfer_overlap
-from pd_dflash.engine.request_metrics import RequestTiming, goodput, latency_samples, latency_stats
-from pd_dflash.schema import CostTerms, EngineResult, HideInequality, Status
-from pd_dflash.spec import SLO
-from pd_dflash.upstream import REQUIRED_METRICS
-
-
-@dataclass
-class LinkFacts:
-    #: "real" (CUDA), "emulated" (CPU pacing), "host" (an un-emulated CPU host-to-host copy), "none" (resident).
-    kind: str
-    emulated_gbps: float | None = None
-    emulated_latency_us: float | None = None
-    #: The CUDA pinned-copy probe (bytes/s) measured at load, when on a GPU.
-    probe_bytes_per_second: float | None = None
 
 
 @dataclass
@@ -54,37 +48,88 @@ class CellMeasurement:
         return max(self.timed_seconds, 1e-9)
 
 
-def assemble(m: CellMeasurement, slo: SLO) -> EngineResult:
-    """The cell's row: headline metrics, cost terms, hide inequality, distributions and engine facts."""
-    timed = [r.timing for r in m.requests]
-    samples = latency_samples(timed)
-    committed = verify_commits(m)
-    values, warnings = headline_metrics(m, timed, samples, committed, slo)
-    bandwidth, source = measured_bandwidth(m)
-    overlap = transfer_overlap(m.runtime.cache, m.rounds) if m.link.kind != "none" else None
-    hide, hide_warning = hide_inequality(m, bandwidth, overlap)
-    missing = [k for k in REQUIRED_METRICS if values[k] is None]
-    return EngineResult(
-        **values,
-        status=Status.PARTIAL if missing else Status.OK,
-        warnings=warnings + ([hide_warning] if hide_warning else []),
-        cost_terms=cost_terms(m, values, bandwidth, source),
-        **phase_seconds(m),
-        latency=latency_stats({**samples, **round_samples(m)}),
-        acceptance_histogram=dict(Counter(committed)),
-        route_ahead=m.runtime.stats.as_dict() if issued_prefetches(m.runtime) else None,
-        prefetched_in_time_coverage=in_time_coverage(m.runtime),
-        hide_inequality=hide,
-        requests=len(m.requests),
-        generated_tokens=sum(t.tokens for t in timed),
+def cell_trace(m: CellMeasurement) -> CellTrace:
+    """The cell's trace (``measurement.engine_result`` turns it into the row)."""
+    rt, c = m.runtime, m.runtime.cache.counters
+    overlap = transfer_overlap(rt.cache, m.rounds) if m.link.kind != "none" else None
+    coverage, coverage_warning = prefetch_coverage(rt)
+    wasted, wasted_warning = wasted_prefetch_bytes(rt)
+    rounds = round_trace(m)
+    return CellTrace(
+        requests=[r.timing for r in m.requests],
+        rounds=rounds,
         timed_seconds=m.timed_seconds,
-        engine=engine_facts(m, committed, overlap),
+        cache=ExpertCacheTrace(
+            hit_rate=c.hit_rate,
+            peak_occupancy_bytes=c.peak_occupancy_bytes,  # byte counts stay ints (docs/metrics.md)
+            h2d_bytes=c.h2d_bytes,
+            h2d_seconds=c.h2d_seconds,
+            h2d_transfers=c.h2d_transfers,
+            exposed_fetch_seconds=c.exposed_seconds,
+        ),
+        prefetch=PrefetchTrace(
+            coverage=coverage,
+            wasted_bytes=wasted,
+            in_time=rt.in_time if rt.prefetcher is not None else None,
+            route_ahead=rt.stats.as_dict() if issued_prefetches(rt) else None,
+        ),
+        kv_peak_bytes=max(rec.kv_bytes for rec in m.rounds),
+        link=m.link,
+        hide=hide_terms(rt, overlap),
+        engine=engine_facts(m, overlap),
         telemetry=m.telemetry,
         timings=m.timings,
+        absent=absences(m, rounds.committed, coverage_warning, wasted_warning),
     )
 
 
-# -- headline metrics --------------------------------------------------------------------------------------------
+def round_trace(m: CellMeasurement) -> Rounds:
+    """The rounds' commits and times; draft and router times only for the speculative configurations."""
+    speculative = m.speculative
+    return Rounds(
+        committed=verify_commits(m),
+        seconds=[rec.seconds for rec in m.rounds],
+        verify_seconds=[rec.forward_seconds for rec in m.rounds],
+        draft_seconds=[rec.draft_seconds for rec in m.rounds] if speculative else None,
+        router_seconds=[rec.router_seconds for rec in m.rounds] if speculative else None,
+    )
+
+
+def absences(
+    m: CellMeasurement, committed: list[int], coverage_warning: str | None, wasted_warning: str | None
+) -> dict[str, str]:
+    """Why each metric this cell did not measure is absent."""
+    absent = {}
+    if not committed:
+        absent["acceptance_length_a"] = (
+            "acceptance_length_a not measured: no verify round in the timed loop (prefills only)"
+        )
+    if m.runtime.cache.counters.hit_rate is None:
+        absent["expert_cache_hit_rate"] = (
+            "expert_cache_hit_rate not measured: no expert was accessed in the timed loop"
+        )
+    if coverage_warning:
+        absent["route_ahead_prefetch_coverage"] = coverage_warning
+    if wasted_warning:
+        absent["wasted_prefetch_bytes"] = wasted_warning
+    return absent
+
+
+def hide_terms(rt: OffloadRuntime, overlap: dict[str, Any] | None) -> HideTerms:
+    """The hide inequality's terms: accesses resident at round start, experts needed per round, the store, and
+    the transfer time inside the verify windows (on the host clock on both devices, ``transfer_overlap.py``;
+    without a link (B3) nothing moves, so it is 0)."""
+    c = rt.cache.counters
+    return HideTerms(
+        accesses=c.accesses,
+        resident_at_round_start=c.resident_at_round_start,
+        needed_per_round=list(rt.needed_per_round),
+        num_experts=rt.store.num_entries,
+        total_expert_bytes=rt.store.total_bytes,
+        overlap_seconds=overlap["overlapped_seconds"]["verify"] if overlap is not None else 0.0,
+    )
+
+
 def verify_commits(m: CellMeasurement) -> list[int]:
     """Committed tokens per request per verify round (bonus included). A speculative prefill proposes nothing,
     so it is not a verify round; in AR every round commits exactly one token, measured anyway."""
@@ -94,39 +139,6 @@ def verify_commits(m: CellMeasurement) -> list[int]:
         for n, prefill in zip(rec.committed, rec.prefill, strict=True)
         if not (m.speculative and prefill)
     ]
-
-
-def headline_metrics(
-    m: CellMeasurement,
-    timed: list[RequestTiming],
-    samples: dict[str, list[float]],
-    committed: list[int],
-    slo: SLO,
-) -> tuple[dict[str, float | int | None], list[str]]:
-    """The row's top-level metrics (byte counts as ints), and a warning for each one this cell did not measure
-    (left None)."""
-    c = m.runtime.cache.counters
-    coverage, coverage_warning = prefetch_coverage(m.runtime)
-    wasted, wasted_warning = wasted_prefetch_bytes(m.runtime)
-    ttft = samples["ttft_seconds"]
-    values: dict[str, float | int | None] = {
-        "output_tokens_per_second": sum(t.tokens for t in timed) / m.elapsed,
-        "acceptance_length_a": sum(committed) / len(committed) if committed else None,
-        "ttft_seconds": sum(ttft) / len(ttft),
-        "per_round_latency_seconds": sum(rec.seconds for rec in m.rounds) / len(m.rounds),
-        "goodput_at_slo": goodput(timed, slo, m.elapsed),
-        "expert_cache_hit_rate": c.hit_rate,
-        "route_ahead_prefetch_coverage": coverage,
-        "wasted_prefetch_bytes": wasted,
-        "expert_occupancy_bytes": c.peak_occupancy_bytes,  # byte counts stay ints (docs/metrics.md)
-        "kv_occupancy_bytes": max(rec.kv_bytes for rec in m.rounds),
-    }
-    warnings = []
-    if not committed:
-        warnings.append("acceptance_length_a not measured: no verify round in the timed loop (prefills only)")
-    if c.hit_rate is None:
-        warnings.append("expert_cache_hit_rate not measured: no expert was accessed in the timed loop")
-    return values, warnings + [w for w in (coverage_warning, wasted_warning) if w]
 
 
 def issued_prefetches(rt: OffloadRuntime) -> bool:
@@ -147,15 +159,6 @@ def prefetch_coverage(rt: OffloadRuntime) -> tuple[float | None, str | None]:
     return rt.stats.coverage, None
 
 
-def in_time_coverage(rt: OffloadRuntime) -> float | None:
-    """Σ|{k ∈ P∩A : resident and ready when the verify acquired it}| / Σ|A| over committed rounds; absent with
-    no prefetcher or nothing routed (the headline coverage's warning says why)."""
-    covered, actual = rt.in_time
-    if rt.prefetcher is None or actual == 0:
-        return None
-    return covered / actual
-
-
 def wasted_prefetch_bytes(rt: OffloadRuntime) -> tuple[int | None, str | None]:
     """Bytes of predicted experts no kept row used, or a measured 0 when no prefetch was issued at all."""
     c = rt.cache.counters
@@ -166,100 +169,14 @@ def wasted_prefetch_bytes(rt: OffloadRuntime) -> tuple[int | None, str | None]:
     return None, "wasted_prefetch_bytes not measured: prefetches were issued without byte accounting"
 
 
-# -- link and hide inequality -----------------------------------------------------------------------------------
-def measured_bandwidth(m: CellMeasurement) -> tuple[float | None, str | None]:
-    """Host→device bytes/s and where it came from: the CUDA probe, else this cell's own transfers, else none
-    (a datasheet figure is never used)."""
-    c = m.runtime.cache.counters
-    if m.link.probe_bytes_per_second:
-        return m.link.probe_bytes_per_second, "probe"
-    if c.h2d_seconds > 0 and c.h2d_bytes > 0:
-        return c.h2d_bytes / c.h2d_seconds, "transfers"
-    return None, None
-
-
-def cost_terms(
-    m: CellMeasurement, values: dict[str, float | None], bandwidth: float | None, source: str | None
-) -> CostTerms:
-    c = m.runtime.cache.counters
-    return CostTerms(
-        route_ahead_coverage=values["route_ahead_prefetch_coverage"],
-        wasted_prefetch_bytes=values["wasted_prefetch_bytes"],
-        measured_h2d_bytes_per_second=bandwidth,
-        h2d_bandwidth_source=source,
-        h2d_link=m.link.kind,
-        emulated_h2d_gbps=m.link.emulated_gbps,
-        emulated_latency_us=m.link.emulated_latency_us,
-        h2d_bytes=c.h2d_bytes,
-        h2d_seconds=c.h2d_seconds,
-        h2d_transfers=c.h2d_transfers,
-        exposed_fetch_seconds=c.exposed_seconds,
-    )
-
-
-def hide_inequality(
-    m: CellMeasurement, bandwidth: float | None, overlap: dict[str, Any] | None
-) -> tuple[HideInequality | None, str | None]:
-    """``(1−r)·s·M/BW ≤ draft + router + overlap`` per round, from this cell's measured terms (AR: no draft and
-    no router pass, 0). Overlap: the transfer time inside the verify windows (minus stalls), on the host clock on
-    both devices (``transfer_overlap.py``); without a link (B3) nothing moves, so it is 0."""
-    rt, c = m.runtime, m.runtime.cache.counters
-    if bandwidth is None:
-        return None, (
-            "hide_inequality not evaluated: no measured host-to-device bandwidth "
-            "(no transfer in this cell and no CUDA probe; a datasheet figure is never used)"
-        )
-    if not c.accesses:
-        return None, None
-    rounds = len(m.rounds)
-    overlap_per_round = overlap["overlapped_seconds"]["verify"] / rounds if overlap is not None else 0.0
-    needed = rt.needed_per_round or [0]
-    hide = evaluate_hide_inequality(
-        resident_fraction=c.resident_at_round_start / c.accesses,
-        saturation=min(1.0, (sum(needed) / len(needed)) / rt.store.num_entries),
-        total_expert_bytes=rt.store.total_bytes,
-        measured_h2d_bytes_per_second=bandwidth,
-        draft_seconds=sum(rec.draft_seconds for rec in m.rounds) / rounds,
-        router_seconds=sum(rec.router_seconds for rec in m.rounds) / rounds,
-        overlap_seconds=overlap_per_round,
-    )
-    return hide, None
-
-
-# -- phase times and distributions ------------------------------------------------------------------------------
-def phase_seconds(m: CellMeasurement) -> dict[str, float | None]:
-    """Σ target forward time; Σ drafter and router time for the speculative configurations (absent for AR)."""
-    speculative = m.speculative
-    return {
-        "t_draft_seconds": sum(rec.draft_seconds for rec in m.rounds) if speculative else None,
-        "t_router_seconds": sum(rec.router_seconds for rec in m.rounds) if speculative else None,
-        "t_verify_seconds": sum(rec.forward_seconds for rec in m.rounds),
-    }
-
-
-def round_samples(m: CellMeasurement) -> dict[str, list[float]]:
-    """Per-round distributions: round and verify times, and draft and router times when speculative."""
-    samples = {
-        "round_seconds": [rec.seconds for rec in m.rounds],
-        "verify_seconds": [rec.forward_seconds for rec in m.rounds],
-    }
-    if m.speculative:
-        samples["draft_seconds"] = [rec.draft_seconds for rec in m.rounds]
-        samples["router_seconds"] = [rec.router_seconds for rec in m.rounds]
-    return samples
-
-
 # -- engine facts -----------------------------------------------------------------------------------------------
-def engine_facts(m: CellMeasurement, committed: list[int], overlap: dict[str, Any] | None) -> dict[str, Any]:
-    """The row's ``engine`` field: the engine's own facts, then what this cell measured beyond the metrics."""
+def engine_facts(m: CellMeasurement, overlap: dict[str, Any] | None) -> dict[str, Any]:
+    """The row's ``engine`` field: the engine's own facts, then what this cell measured beyond the metrics (BM1
+    is added by ``measurement.engine_result``, from the phase sums)."""
     rt = m.runtime
     extra: dict[str, Any] = {}
     if overlap is not None:
         extra["overlap"] = overlap
-    if m.speculative:
-        phases = phase_seconds(m)
-        extra["bm1"] = bm1_summary(phases["t_router_seconds"], phases["t_verify_seconds"])
-        extra["draft_verify_rounds"] = len(committed)
     if issued_prefetches(rt):
         extra["prediction"] = prediction_facts(rt, rt.store.expert_nbytes)
     tokens = sum(r.timing.tokens for r in m.requests)

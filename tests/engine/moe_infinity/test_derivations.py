@@ -1,5 +1,6 @@
-"""The MoE-Infinity adapter's derivations (``results.py``, ``metrics.py``, ``measure``'s pure helpers) on
-hand-built observations whose answers are worked out here, by hand, not by the code under test.
+"""The MoE-Infinity adapter's derivations (``results.py``, ``metrics.py``, ``measure``'s pure helpers, and the
+row ``pd_dflash/engine/measurement.py`` derives from the adapter's trace) on hand-built observations whose answers
+are worked out here, by hand, not by the code under test.
 
 Each test states the trace and the value it must give; nothing imports moe_infinity or torch.
 """
@@ -10,6 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from pd_dflash.engine import measurement
+from pd_dflash.engine.measurement import CellTrace, ExpertCacheTrace, LinkFacts, PrefetchTrace, engine_result
 from pd_dflash.engine.moe_infinity import measure, results
 from pd_dflash.engine.moe_infinity import metrics as m
 from pd_dflash.engine.moe_infinity.cells import CellPlan
@@ -72,24 +75,56 @@ def cell(concurrency: int = 1, block_size: int = 8):
     return SimpleNamespace(concurrency=concurrency, block_size=block_size)
 
 
+def requests_row(obs: Observation, slo: SLO, plan: CellPlan = AR):
+    """The row ``measurement.engine_result`` derives from the observation's requests and rounds alone (no cache,
+    prefetch or KV reading), and the rounds' notes: throughput, TTFT, goodput and the distributions."""
+    loop = results.rounds(plan, cell(), obs)
+    trace = CellTrace(
+        requests=[t.timing() for t in obs.run.traces],
+        rounds=loop.value,
+        timed_seconds=obs.run.elapsed,
+        cache=ExpertCacheTrace(hit_rate=None, peak_occupancy_bytes=None),
+        prefetch=PrefetchTrace(coverage=None, wasted_bytes=None),
+        kv_peak_bytes=None,
+        link=LinkFacts(kind=None),
+    )
+    return engine_result(trace, slo), loop.warnings
+
+
+def tau(plan: CellPlan, rounds: RoundLog | None, block_size: int):
+    """τ, its histogram and the reason it is absent, from the rounds the adapter's trace holds."""
+    loop = results.rounds(plan, cell(block_size=block_size), observation(rounds=rounds))
+    absent = [loop.absent["acceptance_length_a"]] if "acceptance_length_a" in loop.absent else []
+    return (measurement.acceptance_length(loop.value), measurement.acceptance_histogram(loop.value)), absent
+
+
+def round_latency(plan: CellPlan, c: int, obs: Observation):
+    """The per-round latency of the adapter's rounds, their sources and the reason it is absent."""
+    loop = results.rounds(plan, cell(c), obs)
+    absent = [loop.absent["per_round_latency_seconds"]] if "per_round_latency_seconds" in loop.absent else []
+    return measurement.per_round_latency(loop.value, obs.run.elapsed), loop.sources, absent
+
+
 # -- acceptance length τ ---------------------------------------------------------------------------------
 
 
 def test_tau_is_the_mean_of_min_accept_plus_one_and_b_over_rounds():
     # commits 3, 1, 8, 9 (over B: clipped to 8), 0 (below 1: clipped to 1) -> 3 + 1 + 8 + 8 + 1 = 21 over 5
-    tau, histogram = m.acceptance([3, 1, 8, 9, 0], block_size=8)
+    rounds = measurement.Rounds(committed=m.clip_commits([3, 1, 8, 9, 0], block_size=8))
+    tau, histogram = measurement.acceptance_length(rounds), measurement.acceptance_histogram(rounds)
     assert tau == 21 / 5
     assert histogram == {1: 2, 3: 1, 8: 2} and list(histogram) == [1, 3, 8]
-    assert m.acceptance([], 8) == (None, None)
+    empty = measurement.Rounds(committed=m.clip_commits([], 8))
+    assert (measurement.acceptance_length(empty), measurement.acceptance_histogram(empty)) == (None, None)
 
 
 def test_tau_of_an_autoregressive_cell_is_one_by_definition_and_absent_without_rounds():
-    assert results.acceptance(AR, None, 8).value == (1.0, None)
-    absent = results.acceptance(OURS, RoundLog(), 8)
-    assert absent.value == (None, None) and absent.warnings == [m.ABSENT["acceptance_length_a"]]
-    assert results.acceptance(OURS, None, 8).value == (None, None)
-    measured = results.acceptance(OURS, RoundLog(committed=[2, 4, 4]), 4)
-    assert measured.value == (10 / 3, {2: 1, 4: 2}) and measured.warnings == []
+    assert tau(AR, None, 8)[0] == (1.0, None)
+    absent = tau(OURS, RoundLog(), 8)
+    assert absent == ((None, None), [m.ABSENT["acceptance_length_a"]])
+    assert tau(OURS, None, 8)[0] == (None, None)
+    measured = tau(OURS, RoundLog(committed=[2, 4, 4]), 4)
+    assert measured == ((10 / 3, {2: 1, 4: 2}), [])
 
 
 # -- per-round latency -----------------------------------------------------------------------------------
@@ -99,8 +134,8 @@ def test_round_latency_is_the_mean_gap_between_a_requests_consecutive_chunks():
     # gaps: a 0.25, 0.5; b 0.25 -> mean 1.0 / 3
     obs = observation(run=ClientRun(TRACES, steps=4, elapsed=2.0))
     assert TRACES[0].chunk_gaps() == [0.25, 0.5] and TRACES[1].chunk_gaps() == [0.25]
-    derived = results.per_round_latency(OURS, cell(2), obs)
-    assert derived.value == 1.0 / 3 and derived.warnings == []
+    value, _, absent = round_latency(OURS, 2, obs)
+    assert value == 1.0 / 3 and absent == []
 
 
 def test_round_latency_without_a_stream_at_c1_is_the_loop_over_the_verify_rounds():
@@ -108,32 +143,30 @@ def test_round_latency_without_a_stream_at_c1_is_the_loop_over_the_verify_rounds
     obs = observation(
         run=ClientRun(single, steps=1, elapsed=1.5), rounds=RoundLog(committed=[4, 4, 4, 2, 1, 1])
     )
-    derived = results.per_round_latency(OURS, cell(1), obs)
-    assert derived.value == 1.5 / 6
-    assert derived.sources == {
+    value, sources, _ = round_latency(OURS, 1, obs)
+    assert value == 1.5 / 6
+    assert sources == {
         "per_round_latency_seconds": "timed loop / observed verify rounds (no per-round stream)"
     }
     # ... but never for c > 1 (the rounds overlap) nor for an autoregressive cell: absent, with the reason.
     for plan, c in ((OURS, 2), (AR, 1)):
-        absent = results.per_round_latency(plan, cell(c), obs)
-        assert absent.value is None
-        assert absent.warnings == [
-            "per_round_latency_seconds absent: no request received tokens in two serving steps"
-        ]
+        value, _, absent = round_latency(plan, c, obs)
+        assert value is None
+        assert absent == ["per_round_latency_seconds absent: no request received tokens in two serving steps"]
 
 
 # -- throughput, TTFT, goodput, latency distributions ----------------------------------------------------
 
 
 def test_per_request_throughput_ttft_goodput_and_distributions():
-    ctx = SimpleNamespace(slo=SLO(tpot_ms=300))  # a: TPOT (1.0 - 0.25) / 3 = 0.25 s; b: 0.25 / 1 = 0.25 s
+    slo = SLO(tpot_ms=300)  # a: TPOT (1.0 - 0.25) / 3 = 0.25 s; b: 0.25 / 1 = 0.25 s
     obs = observation(run=ClientRun(TRACES, steps=4, elapsed=2.0))
-    value = results.per_request(ctx, obs).value
-    assert value["output_tokens_per_second"] == 6 / 2.0
-    assert value["generated_tokens"] == 6 and value["requests"] == 2
-    assert value["ttft_seconds"] == 0.25  # (0.25 + 0.25) / 2
-    assert value["goodput_at_slo"] == 6 / 2.0  # both meet 300 ms
-    latency = value["latency"]
+    r, _ = requests_row(obs, slo)
+    assert r.output_tokens_per_second == 6 / 2.0
+    assert r.generated_tokens == 6 and r.requests == 2
+    assert r.ttft_seconds == 0.25  # (0.25 + 0.25) / 2
+    assert r.goodput_at_slo == 6 / 2.0  # both meet 300 ms
+    latency = r.latency
     assert latency["round_seconds"].n == 3 and latency["round_seconds"].max == 0.5
     assert latency["tpot_seconds"].mean == 0.25 and latency["e2e_seconds"].max == 1.0
     assert "draft_seconds" not in latency  # no verify rounds: no sample, no zeros
@@ -143,22 +176,22 @@ def test_goodput_counts_the_half_of_the_requests_that_meet_the_slo():
     # TPOT a = 0.25 s, b = 0.25 s; TTFT a = 0.25 s, b = 0.25 s. Make b slow: first token at 1.5, finished 1.75.
     slow_b = trace("b", 0.5, [(2, 1.5), (3, 1.75)], 2)  # TTFT 1.0 s
     obs = observation(run=ClientRun([TRACES[0], slow_b], steps=4, elapsed=2.0))
-    value = results.per_request(SimpleNamespace(slo=SLO(ttft_ms=500)), obs).value
-    assert value["goodput_at_slo"] == 4 / 2.0  # only a's 4 tokens
-    assert value["output_tokens_per_second"] == 6 / 2.0
-    assert value["ttft_seconds"] == (0.25 + 1.0) / 2
+    r, _ = requests_row(obs, SLO(ttft_ms=500))
+    assert r.goodput_at_slo == 4 / 2.0  # only a's 4 tokens
+    assert r.output_tokens_per_second == 6 / 2.0
+    assert r.ttft_seconds == (0.25 + 1.0) / 2
     # The SLO is in milliseconds: 1000 ms admits b's 1 s TTFT exactly (<=), 999 ms does not.
-    assert results.per_request(SimpleNamespace(slo=SLO(ttft_ms=1000)), obs).value["goodput_at_slo"] == 3.0
-    assert results.per_request(SimpleNamespace(slo=SLO(ttft_ms=999)), obs).value["goodput_at_slo"] == 2.0
+    assert requests_row(obs, SLO(ttft_ms=1000))[0].goodput_at_slo == 3.0
+    assert requests_row(obs, SLO(ttft_ms=999))[0].goodput_at_slo == 2.0
 
 
 def test_round_phase_samples_and_missing_accepts():
     rounds = RoundLog(committed=[2], draft_seconds=[0.5, 0.25], verify_seconds=[1.0], missing_accept=2)
     obs = observation(run=ClientRun(TRACES, steps=4, elapsed=2.0), rounds=rounds)
-    derived = results.per_request(SimpleNamespace(slo=SLO()), obs)
-    assert derived.value["latency"]["draft_seconds"].mean == 0.375
-    assert derived.value["latency"]["verify_seconds"].n == 1
-    assert derived.warnings == ["2 verify results carried no accept count (not counted)"]
+    r, notes = requests_row(obs, SLO())
+    assert r.latency["draft_seconds"].mean == 0.375
+    assert r.latency["verify_seconds"].n == 1
+    assert notes == ["2 verify results carried no accept count (not counted)"]
 
 
 # -- coverage and wasted bytes ---------------------------------------------------------------------------
@@ -490,7 +523,9 @@ def assemble(plan, obs, *, concurrency=2, baseline="OURS"):
     ctx = SimpleNamespace(slo=SLO())
     loaded = SimpleNamespace(warnings=["load note"], num_offloaded=10)
     cell_ = SimpleNamespace(concurrency=concurrency, block_size=4, offloaded=True, baseline=baseline)
-    return results.assemble(ctx, loaded, {"name": "moe_infinity"}, cell_, plan, obs, None, False)
+    return engine_result(
+        results.cell_trace(loaded, {"name": "moe_infinity"}, cell_, plan, obs, None, False), ctx.slo
+    )
 
 
 def test_an_ours_row_assembled_from_its_observation():
@@ -703,8 +738,10 @@ def test_kv_facts_name_the_paged_peak_only_when_there_is_one():
     ],
 )
 def test_cost_terms_name_the_probed_bandwidth_and_the_link(offloaded, h2d, cuda, expected):
-    cell_ = SimpleNamespace(offloaded=offloaded)
-    ct = results._cost_terms(cell_, 0.875, 4_000_000.0, 0.25, h2d, cuda)
+    cell_ = SimpleNamespace(concurrency=2, block_size=4, offloaded=offloaded, baseline="OURS")
+    loaded = SimpleNamespace(warnings=[], num_offloaded=10)
+    obs = ours_observation(stats={**ROUTE, "coverage": 0.875, "wasted_prefetch_bytes": 4_000_000.0})
+    ct = engine_result(results.cell_trace(loaded, {}, cell_, OURS, obs, h2d, cuda), SLO()).cost_terms
     assert (ct.measured_h2d_bytes_per_second, ct.h2d_bandwidth_source, ct.h2d_link) == expected
     assert (ct.route_ahead_coverage, ct.wasted_prefetch_bytes, ct.exposed_fetch_seconds) == (
         0.875,
@@ -723,9 +760,9 @@ def test_an_accessor_reading_without_a_name_has_an_empty_source():
 
 def test_a_loop_whose_requests_got_no_token_has_no_mean_ttft():
     run = ClientRun([RequestTrace("p", 0.0), RequestTrace("q", 0.5)], steps=1, elapsed=2.0)
-    derived = results.per_request(SimpleNamespace(slo=SLO()), observation(run=run))
-    assert derived.value["ttft_seconds"] is None
-    assert derived.value["output_tokens_per_second"] == 0.0 and derived.value["requests"] == 2
+    r, _ = requests_row(observation(run=run), SLO())
+    assert r.ttft_seconds is None
+    assert r.output_tokens_per_second == 0.0 and r.requests == 2
 
 
 def test_read_number_skips_an_absent_holder_and_lists_every_accessor_that_raised():
@@ -757,7 +794,7 @@ def test_an_assembled_row_on_a_device_probes_the_link_and_takes_telemetry_at_bot
     ctx = SimpleNamespace(slo=SLO())
     loaded = SimpleNamespace(warnings=[], num_offloaded=10)
     cell_ = SimpleNamespace(concurrency=2, block_size=4, offloaded=True, baseline="OURS")
-    r = results.assemble(ctx, loaded, {}, cell_, OURS, obs, 2.5e10, True)
+    r = engine_result(results.cell_trace(loaded, {}, cell_, OURS, obs, 2.5e10, True), ctx.slo)
     ct = r.cost_terms
     assert (ct.measured_h2d_bytes_per_second, ct.h2d_bandwidth_source, ct.h2d_link) == (
         2.5e10,
@@ -770,14 +807,36 @@ def test_an_assembled_row_on_a_device_probes_the_link_and_takes_telemetry_at_bot
     assert "model_runner" not in r.engine
     # Without a start snapshot the end is still kept; without a device nothing is read.
     no_start = ours_observation(telemetry_start=None)
-    assert results.assemble(ctx, loaded, {}, cell_, OURS, no_start, None, True).telemetry == {
+    assert results.cell_trace(loaded, {}, cell_, OURS, no_start, None, True).telemetry == {
         "start": None,
         "end": {"device": 0},
     }
-    cpu = results.assemble(ctx, loaded, {}, cell_, OURS, ours_observation(telemetry_start=None), None, False)
+    cpu = engine_result(
+        results.cell_trace(loaded, {}, cell_, OURS, ours_observation(telemetry_start=None), None, False),
+        ctx.slo,
+    )
     assert cpu.telemetry is None and cpu.cost_terms.h2d_link is None
 
 
 def test_total_expert_bytes_is_unknown_without_a_prefetcher_or_its_byte_map():
     assert m.total_expert_bytes(SimpleNamespace()) is None
     assert m.total_expert_bytes(SimpleNamespace(expert_prefetcher=SimpleNamespace())) is None
+
+
+def test_the_converter_hands_the_one_assembly_a_neutral_trace():
+    """The adapter only converts: vetted readings with their reasons go into the trace (an absence reason keyed by
+    its metric, a note on a present value among the warnings), and ``measurement.engine_result`` derives the row."""
+    loaded = SimpleNamespace(warnings=["load note"], num_offloaded=10)
+    cell_ = SimpleNamespace(concurrency=2, block_size=4, offloaded=True, baseline="OURS")
+    t = results.cell_trace(loaded, {}, cell_, OURS, ours_observation(stats=None), None, False)
+    assert isinstance(t, CellTrace) and t.rounds.committed == [3, 4, 1] and t.rounds.router_seconds is None
+    assert t.absent == {
+        "route_ahead_prefetch_coverage": m.NO_ROUTE_AHEAD_STATS,
+        "wasted_prefetch_bytes": m.ABSENT["wasted_prefetch_bytes"],
+    }
+    assert t.warnings == ["load note", "baseline note", m.ABSENT["measured_h2d_bytes_per_second"]]
+    assert t.hide is None and t.link == LinkFacts(kind=None)
+    r = engine_result(t, SLO())
+    assert r.status.value == "PARTIAL"
+    assert r.missing_metrics() == ["route_ahead_prefetch_coverage", "wasted_prefetch_bytes"]
+    assert r.warnings == [*t.warnings, m.NO_ROUTE_AHEAD_STATS, m.ABSENT["wasted_prefetch_bytes"]]

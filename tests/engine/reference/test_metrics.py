@@ -1,5 +1,6 @@
-"""The reference engine's row derivations (``pd_dflash/engine/reference/metrics.py``) on a hand-built cell
-measurement whose answers are worked out here, independently of the code under test.
+"""The reference engine's rows on a hand-built cell measurement whose answers are worked out here,
+independently of the code under test: ``pd_dflash/engine/reference/metrics.py`` turns the measurement into a
+``CellTrace`` and ``pd_dflash/engine/measurement.py`` derives the row from it.
 
 The cell: two requests, four rounds (the first a prefill of both), an expert store of 16 experts of 1,000 B,
 an LRU cache of 8 slots, and a route-ahead prefetcher whose statistics come from hand-built masks.
@@ -17,10 +18,21 @@ Requests (timed window 2.0 s): a admitted 0, first token 0.5, finished 1.0, 8 to
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
+from pd_dflash.engine.measurement import (
+    CellTrace,
+    cost_terms,
+    engine_result,
+    hide_inequality,
+    in_time_coverage,
+    measured_bandwidth,
+    phase_seconds,
+    round_samples,
+)
 from pd_dflash.engine.reference import metrics
 from pd_dflash.engine.reference.expert_cache import CacheCounters
 from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts
@@ -29,6 +41,7 @@ from pd_dflash.engine.request_metrics import RequestTiming
 from pd_dflash.engine.route_ahead import RouteAheadStats
 from pd_dflash.schema import Status
 from pd_dflash.spec import SLO
+from pd_dflash.upstream import REQUIRED_METRICS
 
 NBYTES = 1000
 T, F = True, False
@@ -83,6 +96,22 @@ def route_stats(nbytes: bool = True) -> RouteAheadStats:
 SLOTS = SimpleNamespace(expert_compute="grouped_mm", direct=True, device_slot_nbytes=NBYTES)
 
 
+def cache(**over) -> SimpleNamespace:
+    """The expert cache as the converter reads it: counters, geometry and slot pool (``over`` replaces any)."""
+    fields = dict(
+        counters=CacheCounters(),
+        resident=False,
+        capacity_bytes=8 * NBYTES,
+        num_slots=8,
+        policy="lru",
+        slots=SLOTS,
+        transfer_log=[],
+        stall_log=[],
+    )
+    fields.update(over)
+    return SimpleNamespace(**fields)
+
+
 def runtime(**over) -> SimpleNamespace:
     counters = CacheCounters(
         accesses=8,
@@ -98,14 +127,7 @@ def runtime(**over) -> SimpleNamespace:
         peak_occupancy_bytes=6 * NBYTES,
     )
     rt = dict(
-        cache=SimpleNamespace(
-            counters=counters,
-            resident=False,
-            capacity_bytes=8 * NBYTES,
-            num_slots=8,
-            policy="lru",
-            slots=SLOTS,
-        ),
+        cache=cache(counters=counters),
         stats=route_stats(),
         prefetcher=SimpleNamespace(issue=True, counters={"issued": 4}),
         store=SimpleNamespace(num_entries=16, total_bytes=16 * NBYTES, expert_nbytes=NBYTES),
@@ -156,11 +178,18 @@ def test_tau_is_absent_with_prefills_only():
     assert "acceptance_length_a not measured: no verify round in the timed loop (prefills only)" in warnings
 
 
-def headline(m: CellMeasurement, slo: SLO | None = None):
-    timed = [r.timing for r in m.requests]
-    from pd_dflash.engine.request_metrics import latency_samples
+def trace(m: CellMeasurement) -> CellTrace:
+    return metrics.cell_trace(m)
 
-    return metrics.headline_metrics(m, timed, latency_samples(timed), metrics.verify_commits(m), slo or SLO())
+
+def row(m: CellMeasurement, slo: SLO | None = None):
+    return engine_result(trace(m), slo or SLO())
+
+
+def headline(m: CellMeasurement, slo: SLO | None = None):
+    """The row's ten metrics (as the row holds them) and its warnings."""
+    result = row(m, slo)
+    return {k: getattr(result, k) for k in REQUIRED_METRICS}, result.warnings
 
 
 # -- the other headline metrics ---------------------------------------------------------------------------------
@@ -185,7 +214,7 @@ def test_hit_rate_counts_only_experts_ready_when_compute_needed_them():
 
 
 def test_hit_rate_without_any_access_is_absent_with_a_warning():
-    rt = runtime(cache=SimpleNamespace(counters=CacheCounters(), resident=False))
+    rt = runtime(cache=cache(counters=CacheCounters(), resident=False))
     values, warnings = headline(measurement(runtime=rt))
     assert values["expert_cache_hit_rate"] is None
     assert "expert_cache_hit_rate not measured: no expert was accessed in the timed loop" in warnings
@@ -213,10 +242,13 @@ def test_coverage_and_waste_from_the_route_ahead_statistics():
 
 
 def test_prefetched_in_time_coverage_counts_only_experts_ready_at_the_verify():
-    assert metrics.in_time_coverage(runtime()) == 6 / 8
-    assert metrics.in_time_coverage(runtime(prefetcher=None)) is None
-    assert metrics.in_time_coverage(runtime(in_time=(0, 0))) is None  # nothing routed: no ratio
-    assert metrics.in_time_coverage(runtime(in_time=(0, 5))) == 0.0
+    def in_time(rt) -> float | None:
+        return in_time_coverage(trace(measurement(runtime=rt)).prefetch)
+
+    assert in_time(runtime()) == 6 / 8
+    assert in_time(runtime(prefetcher=None)) is None
+    assert in_time(runtime(in_time=(0, 0))) is None  # nothing routed: no ratio
+    assert in_time(runtime(in_time=(0, 5))) == 0.0
 
 
 def test_coverage_without_a_prefetcher_or_with_nothing_routed_is_absent():
@@ -251,44 +283,44 @@ def test_waste_is_a_measured_zero_only_when_no_prefetch_was_issued():
 
 
 def test_bandwidth_is_the_probe_else_this_cells_transfers_never_a_datasheet():
-    assert metrics.measured_bandwidth(measurement()) == (7 * NBYTES / 0.5, "transfers")
+    assert measured_bandwidth(trace(measurement())) == (7 * NBYTES / 0.5, "transfers")
     probed = measurement(link=LinkFacts(kind="real", probe_bytes_per_second=5e10))
-    assert metrics.measured_bandwidth(probed) == (5e10, "probe")
-    idle = runtime(cache=SimpleNamespace(counters=CacheCounters(h2d_bytes=0, h2d_seconds=0.0)))
-    assert metrics.measured_bandwidth(measurement(runtime=idle)) == (None, None)
-    timeless = runtime(cache=SimpleNamespace(counters=CacheCounters(h2d_bytes=10, h2d_seconds=0.0)))
-    assert metrics.measured_bandwidth(measurement(runtime=timeless)) == (None, None)
+    assert measured_bandwidth(trace(probed)) == (5e10, "probe")
+    idle = runtime(cache=cache(counters=CacheCounters(h2d_bytes=0, h2d_seconds=0.0)))
+    assert measured_bandwidth(trace(measurement(runtime=idle))) == (None, None)
+    timeless = runtime(cache=cache(counters=CacheCounters(h2d_bytes=10, h2d_seconds=0.0)))
+    assert measured_bandwidth(trace(measurement(runtime=timeless))) == (None, None)
 
 
 def test_hide_inequality_terms_per_round():
     # r = resident at round start / accesses = 2/8; s = mean needed (24/4 = 6) / 16 entries; M = 16,000 B;
     # BW = 14,000 B/s; draft = 0.1875 / 4; router = 0.09375 / 4; overlap 0 (no link).
-    hide, warning = metrics.hide_inequality(measurement(), 14_000.0, None)
+    hide, warning = hide_inequality(trace(measurement()), 14_000.0)
     assert warning is None
     assert hide.resident_fraction == 0.25 and hide.saturation == 6 / 16
     assert hide.total_expert_bytes == 16_000 and hide.measured_h2d_bytes_per_second == 14_000
     assert hide.draft_seconds == 0.1875 / 4 and hide.router_seconds == 0.09375 / 4
     assert hide.overlap_seconds == 0.0
     assert hide.fetch_seconds == pytest.approx(0.75 * (6 / 16) * 16_000 / 14_000)
-    overlap = {"overlapped_seconds": {"verify": 0.5}}
-    assert metrics.hide_inequality(measurement(), 14_000.0, overlap)[0].overlap_seconds == 0.5 / 4
+    t = trace(measurement())
+    overlapped = replace(t, hide=replace(t.hide, overlap_seconds=0.5))
+    assert hide_inequality(overlapped, 14_000.0)[0].overlap_seconds == 0.5 / 4
 
 
 def test_hide_inequality_saturation_is_capped_at_one_and_needs_a_bandwidth():
     over = runtime(needed_per_round=[40, 40])
-    assert metrics.hide_inequality(measurement(runtime=over), 1.0, None)[0].saturation == 1.0
-    hide, warning = metrics.hide_inequality(measurement(), None, None)
+    assert hide_inequality(trace(measurement(runtime=over)), 1.0)[0].saturation == 1.0
+    hide, warning = hide_inequality(trace(measurement()), None)
     assert hide is None and warning.startswith(
         "hide_inequality not evaluated: no measured host-to-device bandwidth"
     )
-    no_access = runtime(cache=SimpleNamespace(counters=CacheCounters()))
-    assert metrics.hide_inequality(measurement(runtime=no_access), 1.0, None) == (None, None)
+    no_access = runtime(cache=cache(counters=CacheCounters()))
+    assert hide_inequality(trace(measurement(runtime=no_access)), 1.0) == (None, None)
 
 
 def test_cost_terms_carry_the_link_and_the_counters():
     m = measurement(link=LinkFacts(kind="emulated", emulated_gbps=2.0, emulated_latency_us=5.0))
-    values, _ = headline(m)
-    terms = metrics.cost_terms(m, values, 14_000.0, "transfers")
+    terms = cost_terms(trace(m), 14_000.0, "transfers")
     assert terms.route_ahead_coverage == 3 / 5 and terms.wasted_prefetch_bytes == 2 * NBYTES
     assert terms.measured_h2d_bytes_per_second == 14_000.0 and terms.h2d_bandwidth_source == "transfers"
     assert (terms.h2d_link, terms.emulated_h2d_gbps, terms.emulated_latency_us) == ("emulated", 2.0, 5.0)
@@ -300,16 +332,19 @@ def test_cost_terms_carry_the_link_and_the_counters():
 
 
 def test_phase_sums_and_round_samples():
-    spec = metrics.phase_seconds(measurement())
+    spec = phase_seconds(trace(measurement()).rounds)
     assert spec == {"t_draft_seconds": 0.1875, "t_router_seconds": 0.09375, "t_verify_seconds": 0.5625}
-    ar = metrics.phase_seconds(measurement(speculative=False))
+    ar = phase_seconds(trace(measurement(speculative=False)).rounds)
     assert ar == {"t_draft_seconds": None, "t_router_seconds": None, "t_verify_seconds": 0.5625}
-    samples = metrics.round_samples(measurement())
+    samples = round_samples(trace(measurement()).rounds)
     assert samples["round_seconds"] == [0.5, 0.25, 0.25, 0.125]
     assert samples["verify_seconds"] == [0.25, 0.125, 0.125, 0.0625]
     assert samples["draft_seconds"] == [0.0, 0.0625, 0.0625, 0.0625]
     assert samples["router_seconds"] == [0.0, 0.03125, 0.03125, 0.03125]
-    assert set(metrics.round_samples(measurement(speculative=False))) == {"round_seconds", "verify_seconds"}
+    assert set(round_samples(trace(measurement(speculative=False)).rounds)) == {
+        "round_seconds",
+        "verify_seconds",
+    }
 
 
 def test_batch_facts():
@@ -338,16 +373,7 @@ def test_expert_cache_facts_rates_and_occupancy():
     empty = metrics.expert_cache_facts(runtime(needed_per_round=[], occupancy_per_round=[]), 2.0, 13)
     assert empty["needed_experts_per_round_mean"] == 0 and empty["occupancy_bytes_mean"] == 0
     none = metrics.expert_cache_facts(
-        runtime(
-            cache=SimpleNamespace(
-                counters=CacheCounters(),
-                capacity_bytes=0,
-                num_slots=0,
-                policy="lru",
-                slots=SLOTS,
-                resident=True,
-            )
-        ),
+        runtime(cache=cache(counters=CacheCounters(), capacity_bytes=0, num_slots=0, resident=True)),
         2.0,
         0,
     )
@@ -386,7 +412,7 @@ def test_prediction_facts_split_waste_into_mispredicted_and_rejected_rows():
 
 
 def test_assembled_row_is_ok_with_every_metric_and_its_distributions():
-    result = metrics.assemble(measurement(), SLO())
+    result = row(measurement(), SLO())
     assert result.status is Status.OK and result.warnings == []
     assert result.acceptance_length_a == 14 / 5
     assert result.acceptance_histogram == {3: 1, 4: 2, 2: 1, 1: 1}
@@ -406,7 +432,7 @@ def test_assembled_row_is_ok_with_every_metric_and_its_distributions():
 
 
 def test_assembled_row_without_a_prefetcher_is_partial_and_says_why():
-    result = metrics.assemble(measurement(speculative=False, runtime=runtime(prefetcher=None)), SLO())
+    result = row(measurement(speculative=False, runtime=runtime(prefetcher=None)), SLO())
     assert result.status is Status.PARTIAL and result.route_ahead_prefetch_coverage is None
     assert result.warnings == [
         "route_ahead_prefetch_coverage not measured: this configuration has no prefetcher"
@@ -420,17 +446,15 @@ def test_an_observe_only_prefetcher_gives_coverage_but_no_prediction_counts():
     """B3 (every expert resident): the prefetcher only observes. Coverage is still its measured recall (3 of 5),
     but the row carries no prediction counts and a measured zero waste: nothing was prefetched (issue 12, 8c)."""
     idle = SimpleNamespace(issue=False, counters={"issued": 0})
-    cache = SimpleNamespace(
+    resident = cache(
         counters=CacheCounters(
             accesses=8, hits=8, resident_at_round_start=8, peak_occupancy_bytes=8 * NBYTES
         ),
         resident=True,
         capacity_bytes=16 * NBYTES,
         num_slots=16,
-        policy="lru",
-        slots=SLOTS,
     )
-    result = metrics.assemble(measurement(runtime=runtime(prefetcher=idle, cache=cache)), SLO())
+    result = row(measurement(runtime=runtime(prefetcher=idle, cache=resident)))
     assert result.route_ahead_prefetch_coverage == 3 / 5
     assert result.route_ahead is None and "prediction" not in result.engine
     assert result.wasted_prefetch_bytes == 0 and type(result.wasted_prefetch_bytes) is int
@@ -503,7 +527,7 @@ def test_assembled_row_with_a_link_carries_overlap_cost_terms_and_bookkeeping():
         timings={"timed_seconds": 2.0},
         telemetry={"start": {"gpu": 0}},
     )
-    result = metrics.assemble(m, SLO())
+    result = row(m, SLO())
     assert result.engine["overlap"]["overlapped_seconds"]["verify"] == 0.5
     assert result.hide_inequality.overlap_seconds == 0.5 / 2  # per round, two rounds
     assert (
@@ -515,17 +539,8 @@ def test_assembled_row_with_a_link_carries_overlap_cost_terms_and_bookkeeping():
     )
     assert result.timings == {"timed_seconds": 2.0} and result.telemetry == {"start": {"gpu": 0}}
     # Without a measured bandwidth the row says why the hide inequality is missing.
-    idle = runtime(
-        cache=SimpleNamespace(
-            counters=CacheCounters(accesses=8, hits=8, h2d_bytes=0),
-            resident=False,
-            capacity_bytes=8000,
-            num_slots=8,
-            policy="lru",
-            slots=SLOTS,
-        )
-    )
-    result = metrics.assemble(measurement(runtime=idle), SLO())
+    idle = runtime(cache=cache(counters=CacheCounters(accesses=8, hits=8, h2d_bytes=0)))
+    result = row(measurement(runtime=idle))
     assert result.hide_inequality is None
     assert result.warnings[-1].startswith(
         "hide_inequality not evaluated: no measured host-to-device bandwidth"
@@ -546,7 +561,7 @@ def test_engine_facts_carry_the_batch_the_cache_and_a_digest_of_the_outputs():
     import hashlib
     import json
 
-    result = metrics.assemble(measurement(), SLO())
+    result = row(measurement(), SLO())
     outputs = json.dumps([[1, 2, 3], [1, 2, 3]]).encode()
     assert result.engine["output_digest"] == hashlib.sha256(outputs).hexdigest()[:16]
     assert result.engine["batch"]["rounds"] == 4 and result.engine["expert_cache"]["slots"] == 8
@@ -565,19 +580,19 @@ def test_means_over_one_round_and_a_long_occupancy_series():
 
 
 def test_saturation_without_recorded_needs_is_zero():
-    hide, _ = metrics.hide_inequality(measurement(runtime=runtime(needed_per_round=[])), 14_000.0, None)
+    hide, _ = hide_inequality(trace(measurement(runtime=runtime(needed_per_round=[]))), 14_000.0)
     assert hide.saturation == 0.0 and hide.fetch_seconds == 0.0
 
 
 def test_bandwidth_needs_bytes_and_seconds():
-    one_byte = runtime(cache=SimpleNamespace(counters=CacheCounters(h2d_bytes=1, h2d_seconds=0.5)))
-    assert metrics.measured_bandwidth(measurement(runtime=one_byte)) == (2.0, "transfers")
-    no_bytes = runtime(cache=SimpleNamespace(counters=CacheCounters(h2d_bytes=0, h2d_seconds=0.5)))
-    assert metrics.measured_bandwidth(measurement(runtime=no_bytes)) == (None, None)
+    one_byte = runtime(cache=cache(counters=CacheCounters(h2d_bytes=1, h2d_seconds=0.5)))
+    assert measured_bandwidth(trace(measurement(runtime=one_byte))) == (2.0, "transfers")
+    no_bytes = runtime(cache=cache(counters=CacheCounters(h2d_bytes=0, h2d_seconds=0.5)))
+    assert measured_bandwidth(trace(measurement(runtime=no_bytes))) == (None, None)
 
 
 def test_the_warnings_say_what_is_missing_and_why():
-    _, warning = metrics.hide_inequality(measurement(), None, None)
+    _, warning = hide_inequality(trace(measurement()), None)
     assert warning == (
         "hide_inequality not evaluated: no measured host-to-device bandwidth "
         "(no transfer in this cell and no CUDA probe; a datasheet figure is never used)"
@@ -585,3 +600,18 @@ def test_the_warnings_say_what_is_missing_and_why():
     assert metrics.prefetch_coverage(runtime(stats=RouteAheadStats()))[1] == (
         "route_ahead_prefetch_coverage not reported: nothing was routed (coverage would be vacuous)"
     )
+
+
+def test_the_converter_hands_the_one_assembly_a_neutral_trace():
+    """The reference engine only converts: its trace holds the rounds' commits and times, the cache counters and
+    the link as they were measured, and ``measurement.engine_result`` derives the row from them alone."""
+    t = trace(measurement(link=LinkFacts(kind="emulated", emulated_gbps=2.0)))
+    assert isinstance(t, CellTrace) and t.rounds.committed == [3, 4, 2, 4, 1]
+    assert t.rounds.seconds == [0.5, 0.25, 0.25, 0.125] and t.rounds.router_seconds is not None
+    assert (t.cache.hit_rate, t.cache.h2d_bytes, t.kv_peak_bytes) == (3 / 8, 7 * NBYTES, 12288)
+    assert t.prefetch.in_time == (6, 8) and t.absent == {} and t.warnings == []
+    assert t.hide.overlap_seconds == 0.0  # no transfer was logged on the link
+    ar = trace(measurement(speculative=False, runtime=runtime(prefetcher=None)))
+    assert ar.rounds.draft_seconds is None and ar.rounds.router_seconds is None
+    assert ar.prefetch.in_time is None and set(ar.absent) == {"route_ahead_prefetch_coverage"}
+    assert engine_result(ar, SLO()).missing_metrics() == ["route_ahead_prefetch_coverage"]
