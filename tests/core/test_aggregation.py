@@ -7,7 +7,6 @@ One group (m, B=8, c=1); OURS has three repeats whose values are chosen so every
 from __future__ import annotations
 
 import math
-import re
 import statistics
 
 import pytest
@@ -21,14 +20,10 @@ from pd_dflash.spec import expand
 from pd_dflash.upstream import REQUIRED_METRICS
 from tests.core.test_gate_boundaries import HIDE, result
 from tests.core.test_gate_verdicts import rows_of, spec
+from tests.helpers import exactly
 
 KEY = "m|B8|c1"
 T2 = 4.302652729911275  # t(0.975, 2)
-
-
-def exactly(text: str) -> str:
-    """A pattern matching ``text`` and nothing around it (pytest.raises(match=...) searches)."""
-    return f"^{re.escape(text)}$"
 
 
 def three_repeats(**ours):
