@@ -1,4 +1,4 @@
-"""Helpers shared by the orchestrator tests: specs with the test engines, row files, process cleanup."""
+"""Helpers shared by the orchestrator tests: specs with the test engines, rows and row files, process cleanup."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from typing import Any
 import yaml
 
 from pd_dflash.rows import read_rows
-from pd_dflash.schema import Row
-from pd_dflash.spec import SweepSpec, parse_spec
+from pd_dflash.schema import Row, Status
+from pd_dflash.spec import Cell, SweepSpec, parse_spec
+from tests.sweep.engines import synthetic_result
 
 REPO = Path(__file__).resolve().parents[2]
 FIXED = "tests.sweep.engines:FixedDurationEngine"
@@ -47,6 +48,16 @@ def spec_data(engine: str = FIXED, **over: Any) -> dict[str, Any]:
 
 def make_spec(**over: Any) -> SweepSpec:
     return parse_spec(spec_data(**over))
+
+
+def ok_row(cell: Cell, attempt: int = 1, seconds: float = 0.1) -> Row:
+    """The OK row of ``cell`` the store tests add: a synthetic result of 4 requests in ``seconds``."""
+    return Row.from_result(cell, synthetic_result(cell, 4, seconds), attempt=attempt, sweep="t")
+
+
+def failed_row(cell: Cell, status: Status = Status.ERROR, attempt: int = 1, **over: Any) -> Row:
+    """A row of ``cell`` without metrics (reason "boom"); ``over`` sets bookkeeping fields (runner, times)."""
+    return Row.without_metrics(cell, status, "boom", attempt=attempt, sweep="t", **over)
 
 
 def write_spec(path: Path, data: dict[str, Any]) -> Path:
