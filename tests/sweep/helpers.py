@@ -100,6 +100,28 @@ def run_cli(
     )
 
 
+def start_run(spec_path: Path, out: Path, ray_tmp: str, **popen: Any) -> subprocess.Popen:
+    """``pd-dflash run`` as a driver process of its own (local mode, its Ray cluster under ``ray_tmp``), left
+    running; ``popen`` replaces the Popen arguments (output piped as text unless told otherwise)."""
+    cmd = [sys.executable, "-m", "pd_dflash", "run", str(spec_path), "--out", str(out), "--no-progress"]
+    options: dict[str, Any] = {
+        "cwd": REPO,
+        "env": {**os.environ, "RAY_TMPDIR": ray_tmp},
+        "stdout": subprocess.PIPE,
+        "stderr": subprocess.PIPE,
+        "text": True,
+    }
+    return subprocess.Popen(cmd, **{**options, **popen})
+
+
+def wait_for_rows(driver: subprocess.Popen, out: Path, n: int, timeout: float = 120.0) -> None:
+    """Until ``n`` rows are stored while the driver still runs (or fail the test when that takes too long)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(stored_so_far(out)) < n and driver.poll() is None:
+        time.sleep(0.05)
+    assert driver.poll() is None and len(stored_so_far(out)) >= n, "the sweep did not get going in time"
+
+
 def processes_using(path: str) -> list[int]:
     """Pids whose command line, working directory or open files mention ``path`` (a Ray temp dir we own)."""
     found = []
