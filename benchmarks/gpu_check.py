@@ -208,7 +208,7 @@ def _pytest(check: Check, files: tuple[str, ...], timeout: float) -> dict[str, A
 
 
 def _figures(path: Path) -> dict[str, Any]:
-    """What the GPU tests measured (``record_figure`` in tests/engine/reference/conftest.py), if any."""
+    """What the GPU tests measured (``record_figure`` in tests/engine/reference/helpers.py), if any."""
     if not path.exists():
         return {}
     return {"figures": [json.loads(line) for line in path.read_text().splitlines() if line.strip()]}

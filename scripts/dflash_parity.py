@@ -65,7 +65,7 @@ def write_inputs(root: Path) -> None:
     from safetensors.torch import save_file
 
     from pd_dflash.engine.reference.dflash.tiny import tiny_drafter_config, write_tiny_drafter
-    from tests.engine.reference.conftest import tiny_model
+    from tests.engine.reference.helpers import tiny_model
 
     root.mkdir(parents=True, exist_ok=True)
     for family in sorted({c["family"] for c in CASES}):

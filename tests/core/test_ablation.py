@@ -14,23 +14,7 @@ from pd_dflash.report.aggregate import build_matrix, group_key
 from pd_dflash.report.plots import ours_over_b1
 from pd_dflash.schema import Row
 from pd_dflash.spec import expand, parse_spec
-from tests.core.test_report import synth_result
-from tests.core.test_spec import base_spec
-
-LINKS = [0.03, 0.05, 0.1]
-
-
-def ablation_spec(**over):
-    data = base_spec(
-        baselines=["B1", "OURS"],
-        block_sizes=[8],
-        concurrency=[1],
-        repeats=1,
-        memory={"expert_cache_fraction": [0.25, 0.5]},
-    )
-    data["models"] = [{**data["models"][0], "engine_options": {"emulated_h2d_gbps": LINKS}}]
-    data.update(over)
-    return parse_spec(data)
+from tests.core.helpers import LINKS, ablation_spec, base_spec, synth_result
 
 
 def test_list_axes_expand_into_one_cell_per_combination():

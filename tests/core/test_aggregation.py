@@ -7,7 +7,6 @@ One group (m, B=8, c=1); OURS has three repeats whose values are chosen so every
 from __future__ import annotations
 
 import math
-import re
 import statistics
 
 import pytest
@@ -19,20 +18,14 @@ from pd_dflash.report.brief import EXTRA_COLUMNS, NUMERIC_COLUMNS, brief_of, rec
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import expand
 from pd_dflash.upstream import REQUIRED_METRICS
-from tests.core.test_gate_boundaries import HIDE, result
-from tests.core.test_gate_verdicts import rows_of, spec
+from tests.core.helpers import HIDE, KEY, gate_spec, result, rows_of
+from tests.helpers import exactly
 
-KEY = "m|B8|c1"
 T2 = 4.302652729911275  # t(0.975, 2)
 
 
-def exactly(text: str) -> str:
-    """A pattern matching ``text`` and nothing around it (pytest.raises(match=...) searches)."""
-    return f"^{re.escape(text)}$"
-
-
 def three_repeats(**ours):
-    return rows_of(spec(repeats=3), OURS=ours)
+    return rows_of(gate_spec(repeats=3), OURS=ours)
 
 
 # -- Student t --------------------------------------------------------------------------------------------
@@ -114,7 +107,7 @@ def test_a_mean_of_halves_rounds_to_even_and_float_bytes_stay_floats():
     ours = build_matrix(rows).rows[KEY]["OURS"]
     assert ours["expert_occupancy_bytes"] == 5 and isinstance(ours["expert_occupancy_bytes"], int)
     assert ours["wasted_prefetch_bytes"] == 2.0 and isinstance(ours["wasted_prefetch_bytes"], float)
-    halves = build_matrix(rows_of(spec(repeats=2), OURS={"kv_occupancy_bytes": lambda r: [2, 3][r]}))
+    halves = build_matrix(rows_of(gate_spec(repeats=2), OURS={"kv_occupancy_bytes": lambda r: [2, 3][r]}))
     assert halves.rows[KEY]["OURS"]["kv_occupancy_bytes"] == 2  # 2.5 -> 2 (half to even)
 
 
@@ -138,7 +131,7 @@ def test_ratio_intervals_stop_at_one_and_the_hide_margin_may_go_negative():
 
 
 def test_repeats_that_were_not_measured_are_listed_not_averaged():
-    s = spec(repeats=3)
+    s = gate_spec(repeats=3)
     rows = rows_of(
         s,
         status={("OURS", 1): (Status.ERROR, "boom")},
@@ -151,7 +144,7 @@ def test_repeats_that_were_not_measured_are_listed_not_averaged():
         "1": "ERROR",
         "2": "OK",
     }
-    rows = rows_of(spec(), status={("OURS", 0): (Status.TIMEOUT, "slow")})
+    rows = rows_of(gate_spec(), status={("OURS", 0): (Status.TIMEOUT, "slow")})
     failed = build_matrix(rows).rows[KEY]["OURS"]
     assert failed["status"] == "TIMEOUT" and failed["reason"] == "slow" and failed["n_repeats"] == 0
     assert "output_tokens_per_second" not in failed and "aggregate" not in failed
@@ -167,18 +160,18 @@ def test_a_metric_absent_from_every_repeat_makes_the_aggregate_partial_and_warni
 
 
 def test_bm1_terms_in_the_aggregate_follow_upstream():
-    ours = build_matrix(rows_of(spec())).rows[KEY]["OURS"]
+    ours = build_matrix(rows_of(gate_spec())).rows[KEY]["OURS"]
     assert (ours["t_draft_seconds"], ours["t_router_seconds"], ours["t_verify_seconds"]) == (0.5, 0.125, 1.0)
-    zero = build_matrix(rows_of(spec(), OURS={"t_verify_seconds": 0.0})).rows[KEY]["OURS"]
+    zero = build_matrix(rows_of(gate_spec(), OURS={"t_verify_seconds": 0.0})).rows[KEY]["OURS"]
     assert (
         "t_router_seconds" not in zero and "t_verify_seconds" not in zero and zero["t_draft_seconds"] == 0.5
     )
-    b0 = build_matrix(rows_of(spec())).rows[KEY]["B0"]
+    b0 = build_matrix(rows_of(gate_spec())).rows[KEY]["B0"]
     assert "t_draft_seconds" not in b0 and "t_router_seconds" not in b0
 
 
 def test_drafts_differing_between_repeats_are_joined():
-    rows = rows_of(spec(repeats=2))
+    rows = rows_of(gate_spec(repeats=2))
     rows = [r.model_copy(update={"draft": "d2"}) if (r.baseline, r.repeat) == ("B1", 1) else r for r in rows]
     assert build_matrix(rows).rows[KEY]["B1"]["draft"] == "d2 | micro-dflash"
 
@@ -187,7 +180,7 @@ def test_drafts_differing_between_repeats_are_joined():
 
 
 def test_groups_and_baselines_come_in_a_fixed_order():
-    s = spec(models=("n", "m"), block_sizes=(16, 8), repeats=2)
+    s = gate_spec(models=("n", "m"), block_sizes=(16, 8), repeats=2)
     rows = list(reversed(rows_of(s)))
     matrix = build_matrix(rows)
     assert list(matrix.groups) == ["m|B8|c1", "m|B16|c1", "n|B8|c1", "n|B16|c1"]
@@ -200,7 +193,7 @@ def test_groups_and_baselines_come_in_a_fixed_order():
 
 
 def test_duplicates_are_refused_naming_both_sources():
-    rows = rows_of(spec())
+    rows = rows_of(gate_spec())
     with pytest.raises(InputError) as err:
         build_matrix([*rows, rows[1]], sources=[f"f:{i}" for i in range(len(rows) + 1)])
     assert str(err.value) == (
@@ -218,7 +211,7 @@ def test_duplicates_are_refused_naming_both_sources():
 
 
 def test_a_failed_row_followed_by_a_retry_is_superseded_and_listed():
-    rows = rows_of(spec())
+    rows = rows_of(gate_spec())
     failed = Row.model_validate({**rows[1].to_json_dict(), **{m: None for m in REQUIRED_METRICS}} | {"status": "ERROR", "reason": "x", "route_ahead": None, "hide_inequality": None, "cost_terms": None, "t_draft_seconds": None, "t_router_seconds": None, "t_verify_seconds": None, "latency": {}, "acceptance_histogram": None})  # fmt: skip
     matrix = build_matrix([failed, *rows])
     assert matrix.superseded == [
@@ -228,7 +221,7 @@ def test_a_failed_row_followed_by_a_retry_is_superseded_and_listed():
 
 
 def test_a_shared_row_must_cover_its_own_block_size_and_collides_with_an_own_row():
-    rows = rows_of(spec(block_sizes=(8, 16)))
+    rows = rows_of(gate_spec(block_sizes=(8, 16)))
     b0 = next(r for r in rows if r.baseline == "B0")
     with pytest.raises(InputError) as err:
         build_matrix([b0.model_copy(update={"block_sizes_covered": [16, 32]})], sources=["x.jsonl:1"])
@@ -246,7 +239,7 @@ def test_a_shared_row_must_cover_its_own_block_size_and_collides_with_an_own_row
 
 
 def test_a_brief_keeps_the_numbers_the_gates_need_in_column_order():
-    row = rows_of(spec())[-1]  # OURS
+    row = rows_of(gate_spec())[-1]  # OURS
     brief = brief_of(row)
     numbers = dict(zip(NUMERIC_COLUMNS, brief.numbers, strict=True))
     assert numbers["output_tokens_per_second"] == 45.0 and numbers["route_ahead.waste_ratio"] == 0.25
@@ -259,14 +252,14 @@ def test_a_brief_keeps_the_numbers_the_gates_need_in_column_order():
     )
     assert brief.hide_hidden is True and brief.hide_mismatch is None and brief.measured
     assert brief.identity == ("m", "OURS", 8, 1, 0) and brief.fetch() == row.to_json_dict()
-    b0 = brief_of(rows_of(spec())[0])
+    b0 = brief_of(rows_of(gate_spec())[0])
     assert b0.route_ahead is None and b0.hide_hidden is None and b0.cost_terms is None
 
 
 def test_a_stored_hide_inequality_that_disagrees_with_its_terms_is_found():
     good = evaluate_hide_inequality(**HIDE).model_dump()
     row = Row.from_result(
-        next(c for c in expand(spec()) if c.baseline == "OURS"),
+        next(c for c in expand(gate_spec()) if c.baseline == "OURS"),
         result(
             "OURS",
             0,
@@ -298,7 +291,7 @@ def test_a_stored_hide_inequality_that_disagrees_with_its_terms_is_found():
 
 def test_the_reasons_of_unmeasured_repeats_are_joined_in_order():
     rows = rows_of(
-        spec(repeats=2),
+        gate_spec(repeats=2),
         status={("OURS", 0): (Status.ERROR, "out of memory"), ("OURS", 1): (Status.TIMEOUT, "boom")},
     )
     assert build_matrix(rows).rows[KEY]["OURS"]["reason"] == "boom; out of memory"
@@ -317,7 +310,8 @@ def test_waste_ratio_and_in_time_coverage_intervals_stop_at_one():
         }
 
     rows = rows_of(
-        spec(repeats=2), OURS={"route_ahead": route, "prefetched_in_time_coverage": lambda r: [0.75, 1.0][r]}
+        gate_spec(repeats=2),
+        OURS={"route_ahead": route, "prefetched_in_time_coverage": lambda r: [0.75, 1.0][r]},
     )
     agg = build_matrix(rows).stats[(KEY, "OURS")]
     for column in ("route_ahead.waste_ratio", "prefetched_in_time_coverage"):
@@ -326,7 +320,7 @@ def test_waste_ratio_and_in_time_coverage_intervals_stop_at_one():
 
 
 def test_rows_without_a_cell_id_are_named_by_their_position_only():
-    rows = [r.model_copy(update={"cell_id": None}) for r in rows_of(spec())]
+    rows = [r.model_copy(update={"cell_id": None}) for r in rows_of(gate_spec())]
     with pytest.raises(
         InputError,
         match=exactly(
@@ -334,7 +328,7 @@ def test_rows_without_a_cell_id_are_named_by_their_position_only():
         ),
     ):
         build_matrix([*rows, rows[1]])
-    with_ids = rows_of(spec())
+    with_ids = rows_of(gate_spec())
     with pytest.raises(InputError) as err:
         build_matrix([*with_ids, with_ids[1]])
     cell = with_ids[1].cell_id
@@ -342,7 +336,7 @@ def test_rows_without_a_cell_id_are_named_by_their_position_only():
 
 
 def ours_row_with_hide(hide: dict) -> Row:
-    cell = next(c for c in expand(spec()) if c.baseline == "OURS")
+    cell = next(c for c in expand(gate_spec()) if c.baseline == "OURS")
     return Row.from_result(cell, result("OURS", 0, hide_inequality=hide))
 
 

@@ -15,23 +15,9 @@ from pd_dflash.cli import main
 from pd_dflash.errors import MAX_MESSAGE
 from pd_dflash.plan import plan, write_plan_json
 from pd_dflash.spec import DEFAULT_MAX_CELLS, parse_spec
-from tests.core.test_report import upstream, upstream_group
+from tests.core.helpers import spec_data, upstream, upstream_group
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def spec_data(**over) -> dict:
-    data = {
-        "name": "t",
-        "engine": "reference",
-        "models": [{"id": "micro", "preset": "micro", "draft": "micro-dflash"}],
-        "baselines": ["B0", "B1", "OURS"],
-        "block_sizes": [8],
-        "concurrency": [1, 4],
-        "repeats": 2,
-    }
-    data.update(over)
-    return data
 
 
 def plan_exit(tmp_path: Path, capsys, text: str | bytes) -> tuple[int, str]:

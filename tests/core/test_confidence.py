@@ -1,7 +1,7 @@
 """The confidence-aware verdict beside upstream's mean-based one, and the basis every verdict line states
 (docs/metrics.md §7, "On 95% intervals" and "Basis").
 
-One hand-built group (test_gate_boundaries.py's, which passes every gate on means); each test spreads one input
+One hand-built group (tests/core/helpers.py's, which passes every gate on means); each test spreads one input
 over the repeats so that its Student-t 95% interval clears a threshold, straddles it, or lies beyond it.
 """
 
@@ -15,17 +15,14 @@ from pd_dflash.costmodel import evaluate_hide_inequality
 from pd_dflash.report import build_report
 from pd_dflash.report.confidence import FAIL, INCONCLUSIVE, PASS
 from pd_dflash.report.gates import VERDICT_GATES
-from pd_dflash.schema import CostTerms, Row
-from pd_dflash.spec import Gates, expand
-from tests.core.test_gate_boundaries import HIDE, KEY, result, spec
+from pd_dflash.schema import CostTerms
+from pd_dflash.spec import Gates
+from tests.core.helpers import HIDE, KEY, gate_spec, rows_of
 
 
 def run(repeats: int = 3, gates: Gates | None = None, **by_baseline: dict):
-    s = spec(repeats)
-    rows = [
-        Row.from_result(c, result(c.baseline, c.repeat, **by_baseline.get(c.baseline, {}))) for c in expand(s)
-    ]
-    return build_report(rows, gates or Gates(), spec=s)
+    s = gate_spec(repeats)
+    return build_report(rows_of(s, **by_baseline), gates or Gates(), spec=s)
 
 
 def spread(*values):

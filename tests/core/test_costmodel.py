@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 from pydantic import BaseModel
 
 from pd_dflash.costmodel import bm1_summary, evaluate_hide_inequality
 from pd_dflash.report.bm1 import bm1_summary as row_bm1
+from tests.helpers import exactly
 
 TERMS = dict(
     resident_fraction=0.25,
@@ -19,11 +18,6 @@ TERMS = dict(
     router_seconds=0.25,
     overlap_seconds=1.0,
 )
-
-
-def exactly(text: str) -> str:
-    """A pattern matching ``text`` and nothing around it (pytest.raises(match=...) searches)."""
-    return f"^{re.escape(text)}$"
 
 
 def test_hide_inequality_by_hand():

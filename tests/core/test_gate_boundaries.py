@@ -14,21 +14,8 @@ import pytest
 from pd_dflash.costmodel import evaluate_hide_inequality
 from pd_dflash.report.aggregate import build_matrix
 from pd_dflash.report.gates import Expectations, evaluate, overall
-from pd_dflash.schema import EngineResult, Row
-from pd_dflash.spec import Gates, expand, parse_spec
-
-KEY = "m|B8|c1"
-TOKENS = {"B0": 20.0, "B1": 30.0, "OURS": 45.0, "B3": 70.0}
-# A hide inequality that holds: (1 - 0.5) * 1 * 8 / 4 = 1.0 s to fetch, 0.5 + 0.25 + 0.5 = 1.25 s of window.
-HIDE = dict(
-    resident_fraction=0.5,
-    saturation=1.0,
-    total_expert_bytes=8.0,
-    measured_h2d_bytes_per_second=4.0,
-    draft_seconds=0.5,
-    router_seconds=0.25,
-    overlap_seconds=0.5,
-)
+from pd_dflash.spec import Gates
+from tests.core.helpers import HIDE, KEY, TOKENS, gate_spec, rows_of
 
 
 def below(x: float) -> float:
@@ -39,58 +26,10 @@ def above(x: float) -> float:
     return math.nextafter(x, math.inf)
 
 
-def spec(repeats: int = 1):
-    return parse_spec(
-        {
-            "name": "gates",
-            "engine": "reference",
-            "models": [{"id": "m", "preset": "micro", "draft": "micro-dflash"}],
-            "baselines": ["B0", "B1", "B3", "OURS"],
-            "block_sizes": [8],
-            "concurrency": [1],
-            "repeats": repeats,
-        }
-    )
-
-
-def result(baseline: str, repeat: int, **over) -> EngineResult:
-    """A measured row that passes every gate; ``over`` replaces fields (a callable gets the repeat index)."""
-    speculative = baseline in ("B1", "B2", "OURS")
-    tokens = TOKENS.get(baseline, 33.0)  # B2 is not in the ordering chain
-    data = {
-        "output_tokens_per_second": tokens,
-        "acceptance_length_a": 3.0 if speculative else 1.0,
-        "ttft_seconds": 0.25,
-        "per_round_latency_seconds": 0.0625,
-        "goodput_at_slo": tokens,
-        "expert_cache_hit_rate": 0.75,
-        "route_ahead_prefetch_coverage": 0.875,
-        "wasted_prefetch_bytes": 1024,
-        "expert_occupancy_bytes": 2**20,
-        "kv_occupancy_bytes": 2**16,
-    }
-    if speculative:
-        data.update(t_draft_seconds=0.5, t_router_seconds=0.125, t_verify_seconds=1.0)
-    if baseline == "OURS":
-        data["route_ahead"] = {
-            "predicted_experts": 100,
-            "actual_experts": 80,
-            "covered_experts": 70,
-            "coverage": 0.875,
-            "waste_ratio": 0.25,
-        }
-        data["hide_inequality"] = evaluate_hide_inequality(**HIDE)
-    data.update({k: v(repeat) if callable(v) else v for k, v in over.items()})
-    return EngineResult(**data)
-
-
 def verdict(gates: Gates | None = None, repeats: int = 1, **by_baseline: dict):
     """The group's gate verdicts; ``by_baseline`` maps a baseline to the fields its rows change."""
-    s = spec(repeats)
-    rows = [
-        Row.from_result(c, result(c.baseline, c.repeat, **by_baseline.get(c.baseline, {}))) for c in expand(s)
-    ]
-    matrix = build_matrix(rows)
+    s = gate_spec(repeats)
+    matrix = build_matrix(rows_of(s, **by_baseline))
     details = evaluate(matrix, gates or Gates(), Expectations.infer(matrix, s))
     return details[KEY]["gates"], overall(details)
 

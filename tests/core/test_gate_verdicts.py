@@ -1,7 +1,7 @@
 """Every gate's every answer on one hand-built group: the exact summary a person reads, the detail the verdict
 keeps, and the overall go/no-go line (docs/metrics.md §6–7).
 
-The group (model m, B=8, c=1) passes every gate as built in test_gate_boundaries.py; each test changes the rows
+The group (model m, B=8, c=1) passes every gate as built in tests/core/helpers.py; each test changes the rows
 of one or two baselines and states what the verdict must say.
 """
 
@@ -13,41 +13,9 @@ from pd_dflash.baselines import BLOCK_INDEPENDENT
 from pd_dflash.costmodel import evaluate_hide_inequality
 from pd_dflash.report.aggregate import build_matrix
 from pd_dflash.report.gates import Expectations, evaluate, overall
-from pd_dflash.schema import Row, Status
-from pd_dflash.spec import Gates, expand, parse_spec
-from tests.core.test_gate_boundaries import HIDE, result
-
-KEY = "m|B8|c1"
-ALL = ("B0", "B1", "B3", "OURS")
-
-
-def spec(repeats: int = 1, baselines=ALL, models=("m",), block_sizes=(8,)):
-    return parse_spec(
-        {
-            "name": "gates",
-            "engine": "reference",
-            "models": [{"id": m, "preset": "micro", "draft": "micro-dflash"} for m in models],
-            "baselines": list(baselines),
-            "block_sizes": list(block_sizes),
-            "concurrency": [1],
-            "repeats": repeats,
-        }
-    )
-
-
-def rows_of(s, drop=(), status=None, **by_baseline) -> list[Row]:
-    """A measured row per cell; ``status`` maps (baseline, repeat) to (status, reason) for rows without
-    metrics; ``drop`` lists (baseline, repeat) left out."""
-    out = []
-    for c in expand(s):
-        if (c.baseline, c.repeat) in drop:
-            continue
-        st = (status or {}).get((c.baseline, c.repeat))
-        if st is not None:
-            out.append(Row.without_metrics(c, st[0], st[1]))
-            continue
-        out.append(Row.from_result(c, result(c.baseline, c.repeat, **by_baseline.get(c.baseline, {}))))
-    return out
+from pd_dflash.schema import Status
+from pd_dflash.spec import Gates
+from tests.core.helpers import HIDE, KEY, gate_spec, rows_of
 
 
 def judge(rows, gates: Gates | None = None, s=None, *, with_spec: bool = True):
@@ -57,7 +25,7 @@ def judge(rows, gates: Gates | None = None, s=None, *, with_spec: bool = True):
 
 
 def group(**kw):
-    s = kw.pop("s", None) or spec()
+    s = kw.pop("s", None) or gate_spec()
     gates = kw.pop("gates", None)
     details, summary = judge(rows_of(s, **kw), gates, s)
     return details[KEY], summary
@@ -84,7 +52,7 @@ def test_a_complete_group_lists_what_it_holds():
 
 
 def test_every_completeness_problem_is_named_in_order():
-    s = spec(repeats=2)
+    s = gate_spec(repeats=2)
     lying = {**evaluate_hide_inequality(**HIDE).model_dump(), "hidden": False}
     d, _ = group(
         s=s,
@@ -169,10 +137,10 @@ def test_bm1_answers():
     assert gate(d, "bm1") == ("not evaluated", "OURS rows carry no t_router_seconds/t_verify_seconds")
     d, _ = group(OURS={"t_verify_seconds": 0.0})
     assert gate(d, "bm1") == ("not evaluated", "OURS: t_verify_seconds missing or 0")
-    s = spec(baselines=("B0", "B3"))
+    s = gate_spec(baselines=("B0", "B3"))
     d, _ = group(s=s)
     assert gate(d, "bm1") == ("not evaluated", "no row carries t_router_seconds and t_verify_seconds")
-    d, _ = group(s=spec(baselines=("B0", "B1", "B3")))
+    d, _ = group(s=gate_spec(baselines=("B0", "B1", "B3")))
     assert gate(d, "bm1") == ("pass", "")  # no OURS expected: the baselines that carry the terms decide
 
 
@@ -195,11 +163,11 @@ def test_hide_inequality_answers():
     assert gate(d, "hide_inequality") == ("not evaluated", "OURS rows carry no hide_inequality terms")
     d, _ = group(status={("OURS", 0): (Status.ERROR, "boom")})
     assert gate(d, "hide_inequality") == ("not evaluated", "OURS not measured")
-    d, _ = group(s=spec(baselines=("B0", "B1", "B3")))
+    d, _ = group(s=gate_spec(baselines=("B0", "B1", "B3")))
     assert gate(d, "hide_inequality") == ("not evaluated", "no OURS rows")
     # Other baselines' terms are reported as information, counted per repeat.
     d, _ = group(
-        s=spec(repeats=2),
+        s=gate_spec(repeats=2),
         B1={"hide_inequality": lambda r: exposed if r else evaluate_hide_inequality(**HIDE)},
     )
     assert d["gates"]["hide_inequality"]["per_baseline"]["B1"]["hidden_repeats"] == 1
@@ -243,7 +211,7 @@ def test_coverage_answers():
     vacuous = {
         "route_ahead": {"predicted_experts": 4, "actual_experts": 0, "coverage": 1.0, "waste_ratio": 0.5}
     }
-    d, _ = group(s=spec(repeats=2), OURS={"route_ahead": lambda r: vacuous["route_ahead"] if r else
+    d, _ = group(s=gate_spec(repeats=2), OURS={"route_ahead": lambda r: vacuous["route_ahead"] if r else
                                           {"predicted_experts": 4, "actual_experts": 2, "waste_ratio": 0.5}})  # fmt: skip
     assert gate(d, "coverage") == (
         "not evaluated",
@@ -254,10 +222,12 @@ def test_coverage_answers():
     assert gate(d, "coverage") == ("not evaluated", "OURS route_ahead_prefetch_coverage not measured")
     d, _ = group(status={("OURS", 0): (Status.ERROR, "boom")})
     assert gate(d, "coverage") == ("not evaluated", "OURS not measured")
-    d, _ = group(s=spec(baselines=("B0", "B1", "B3")))
+    d, _ = group(s=gate_spec(baselines=("B0", "B1", "B3")))
     assert gate(d, "coverage") == ("not evaluated", "no OURS rows")
     # Three repeats: the interval's low end is reported with the mean.
-    d, _ = group(s=spec(repeats=3), OURS={"route_ahead_prefetch_coverage": lambda r: [0.75, 0.875, 1.0][r]})
+    d, _ = group(
+        s=gate_spec(repeats=3), OURS={"route_ahead_prefetch_coverage": lambda r: [0.75, 0.875, 1.0][r]}
+    )
     g = d["gates"]["coverage"]
     assert g["value"] == 0.875 and g["n"] == 3 and 0 < g["ci95_low"] < 0.875
 
@@ -278,7 +248,7 @@ def test_waste_answers():
     )
     d, _ = group(status={("OURS", 0): (Status.ERROR, "boom")})
     assert gate(d, "waste") == ("not evaluated", "OURS not measured")
-    d, _ = group(s=spec(baselines=("B0", "B1", "B3")))
+    d, _ = group(s=gate_spec(baselines=("B0", "B1", "B3")))
     assert gate(d, "waste") == ("not evaluated", "no OURS rows")
 
 
@@ -292,7 +262,7 @@ def test_ordering_answers():
         summary["line"]
         == "go/no-go: GO (bm1, hide_inequality, speedup_over_b0, coverage, waste pass in all 1 groups)"
     )
-    d, _ = group(s=spec(baselines=("B0", "B1", "B3")))
+    d, _ = group(s=gate_spec(baselines=("B0", "B1", "B3")))
     assert gate(d, "ordering") == ("not evaluated", "no OURS rows")
     d, _ = group(status={("B1", 0): (Status.ERROR, "boom"), ("B3", 0): (Status.ERROR, "boom")})
     assert gate(d, "ordering") == ("not evaluated", "tokens/s not measured for B1, B3")
@@ -307,10 +277,10 @@ def test_ordering_answers():
 def test_no_go_lists_every_failing_gate_and_keeps_the_rest_as_also():
     _, summary = judge(
         rows_of(
-            spec(),
+            gate_spec(),
             OURS={"route_ahead_prefetch_coverage": 0.5, "t_router_seconds": None, "t_verify_seconds": None},
         ),
-        s=spec(),
+        s=gate_spec(),
     )
     assert summary["verdict"] == "NO-GO"
     assert summary["reasons"] == [f"coverage fails in 1/1 groups (e.g. {KEY}: OURS coverage 0.50 < 0.80)"]
@@ -327,7 +297,7 @@ def test_no_go_lists_every_failing_gate_and_keeps_the_rest_as_also():
 
 
 def test_inconclusive_counts_incomplete_groups_and_unevaluated_gates():
-    s = spec(models=("m", "n"))
+    s = gate_spec(models=("m", "n"))
     rows = rows_of(s, drop=[("B1", 0)], OURS={"hide_inequality": None})
     details, summary = judge(rows, s=s)
     assert list(details) == ["m|B8|c1", "n|B8|c1"]
@@ -350,8 +320,8 @@ def test_no_rows_is_inconclusive():
 
 
 def test_a_group_of_the_spec_without_rows_is_evaluated_as_missing_everything():
-    s = spec(block_sizes=(8, 16))
-    details, summary = judge(rows_of(spec()), s=s)  # no rows for B=16
+    s = gate_spec(block_sizes=(8, 16))
+    details, summary = judge(rows_of(gate_spec()), s=s)  # no rows for B=16
     assert list(details) == ["m|B8|c1", "m|B16|c1"]  # sorted by (model, B, c), numerically
     empty = details["m|B16|c1"]
     assert gate(empty, "completeness") == ("fail", "missing B0, B1, B3, OURS") and empty["present"] == []
@@ -360,19 +330,19 @@ def test_a_group_of_the_spec_without_rows_is_evaluated_as_missing_everything():
 
 
 def test_expectations_without_a_spec_are_upstreams_baselines_and_the_repeats_seen():
-    rows = rows_of(spec(repeats=3), drop=[("B1", 1)])
+    rows = rows_of(gate_spec(repeats=3), drop=[("B1", 1)])
     matrix = build_matrix(rows)
     e = Expectations.infer(matrix)
     assert e.groups is None and e.baselines == ("B0", "B1", "B2", "B3", "OURS") and e.repeats == (0, 1, 2)
     details, _ = judge(rows, with_spec=False)
     assert details[KEY]["missing"] == ["B2"] and details[KEY]["missing_repeats"] == {"B1": [1]}
-    e = Expectations.infer(matrix, spec(repeats=3, baselines=("OURS", "B0")))
+    e = Expectations.infer(matrix, gate_spec(repeats=3, baselines=("OURS", "B0")))
     assert e.groups == (("m", 8, 1),) and e.baselines == ("B0", "OURS") and e.repeats == (0, 1, 2)
 
 
 @pytest.mark.parametrize("shared_baseline", sorted(BLOCK_INDEPENDENT))
 def test_rows_shared_across_block_sizes_are_named_in_every_group(shared_baseline):
-    s = spec(block_sizes=(8, 16))
+    s = gate_spec(block_sizes=(8, 16))
     details, _ = judge(rows_of(s), s=s)
     for key in ("m|B8|c1", "m|B16|c1"):
         assert details[key]["shared_across_block_sizes"][shared_baseline] == [8, 16]
@@ -395,9 +365,9 @@ def test_bm1_and_hide_with_ours_expected_but_without_rows_in_the_group():
 
 def test_ours_rows_outside_the_spec_are_still_gated_but_their_repeats_not_required():
     rows = rows_of(
-        spec(repeats=2), drop=[("OURS", 1)], OURS={"t_router_seconds": None, "t_verify_seconds": None}
+        gate_spec(repeats=2), drop=[("OURS", 1)], OURS={"t_router_seconds": None, "t_verify_seconds": None}
     )
-    details, _ = judge(rows, s=spec(repeats=2, baselines=("B0", "B1", "B3")))
+    details, _ = judge(rows, s=gate_spec(repeats=2, baselines=("B0", "B1", "B3")))
     d = details[KEY]
     assert gate(d, "bm1") == ("not evaluated", "OURS rows carry no t_router_seconds/t_verify_seconds")
     assert gate(d, "hide_inequality") == ("pass", "")
@@ -423,7 +393,7 @@ def test_hide_gate_details_in_every_answer():
     assert (hide["status"], hide["summary"]) == ("pass", "")
     assert set(hide["per_baseline"]["OURS"]) == {"hidden_repeats", "repeats_with_terms", "on_means"}
     lying = {**evaluate_hide_inequality(**HIDE).model_dump(), "hidden": False}
-    d, _ = group(s=spec(repeats=2), OURS={"hide_inequality": lying})
+    d, _ = group(s=gate_spec(repeats=2), OURS={"hide_inequality": lying})
     hide = d["gates"]["hide_inequality"]
     assert (hide["status"], hide["summary"]) == (
         "fail",
@@ -432,7 +402,7 @@ def test_hide_gate_details_in_every_answer():
     )
     assert hide["per_baseline"]["OURS"]["repeats_with_terms"] == 2
     terms = {"hide_inequality": evaluate_hide_inequality(**HIDE)}
-    d, _ = group(s=spec(baselines=("B0", "B1", "B3")), B1=terms)
+    d, _ = group(s=gate_spec(baselines=("B0", "B1", "B3")), B1=terms)
     hide = d["gates"]["hide_inequality"]
     assert (hide["status"], hide["summary"]) == ("not evaluated", "no OURS rows")
     assert hide["per_baseline"]["B1"]["repeats_with_terms"] == 1
@@ -450,7 +420,7 @@ def test_a_blocked_baseline_that_is_not_allowed_stays_in_speedup_and_ordering():
 
 
 def test_completeness_lists_several_problems_of_one_kind():
-    s = spec(repeats=2)
+    s = gate_spec(repeats=2)
     lying = {**evaluate_hide_inequality(**HIDE).model_dump(), "hidden": False}
     blocked = (Status.UNAVAILABLE_CAPACITY, "too big")
     d, _ = group(
@@ -481,7 +451,7 @@ def test_completeness_lists_several_problems_of_one_kind():
 
 
 def test_expectations_from_an_ablation_spec_name_each_settings_group():
-    from tests.core.test_ablation import ablation_spec
+    from tests.core.helpers import ablation_spec
 
     e = Expectations.infer(build_matrix([]), ablation_spec())
     assert set(e.groups) == {
@@ -517,8 +487,8 @@ def test_speedup_names_every_baseline_without_tokens():
 def test_a_spec_group_without_rows_never_reads_another_groups_numbers():
     """The model named "None" has rows; model m, which the spec also expects, has none: m's empty group must not
     be evaluated with anyone else's means."""
-    s = spec(models=("m", "None"))
-    details, _ = judge(rows_of(spec(models=("None",))), s=s)
+    s = gate_spec(models=("m", "None"))
+    details, _ = judge(rows_of(gate_spec(models=("None",))), s=s)
     empty = details[KEY]
     assert empty["present"] == []
     assert gate(empty, "speedup_over_b0") == ("not evaluated", "B0 tokens/s not measured")

@@ -16,12 +16,12 @@ from pd_dflash.report import open_inputs, write_outputs
 from pd_dflash.report import validate as validate_module
 from pd_dflash.rows import ROWS_FILE, append_row, encode_row
 from pd_dflash.spec import Gates
-from tests.core.test_gate_verdicts import rows_of, spec
+from tests.core.helpers import gate_spec, rows_of
 
 
 def _rows_file(tmp_path, **by_baseline):
     path = tmp_path / ROWS_FILE
-    for row in rows_of(spec(repeats=2), **by_baseline):
+    for row in rows_of(gate_spec(repeats=2), **by_baseline):
         append_row(path, row)
     return path
 
@@ -122,7 +122,7 @@ def test_a_row_line_with_a_key_twice_is_refused_naming_the_line(tmp_path, capsys
 
 
 def test_a_whole_json_row_file_and_a_matrix_with_a_key_twice_are_refused_naming_the_line(tmp_path, capsys):
-    rows = rows_of(spec())
+    rows = rows_of(gate_spec())
     whole = tmp_path / "upstream.json"
     objs = [json.loads(encode_row(r)) for r in rows]
     text = json.dumps(objs, indent=2)

@@ -22,7 +22,7 @@ from pd_dflash.report.render import CSV_COLUMNS, dumps, matrix_csv, matrix_markd
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import Gates, expand
 from pd_dflash.upstream import UPSTREAM_CSV_COLUMNS
-from tests.core.test_gate_verdicts import rows_of, spec
+from tests.core.helpers import gate_spec, rows_of
 
 T1 = 12.706204736174696  # t(0.975, 1)
 
@@ -132,7 +132,7 @@ MARKDOWN = """# PD-DFlash Phase-A result matrix
 
 
 def scenario(gates: Gates | None = None, **kw):
-    s = kw.pop("s", None) or spec(repeats=2, block_sizes=(8, 16), baselines=("B0", "B1", "B2", "OURS"))
+    s = kw.pop("s", None) or gate_spec(repeats=2, block_sizes=(8, 16), baselines=("B0", "B1", "B2", "OURS"))
     rows = kw.pop("rows", None) or rows_of(
         s,
         status={("B1", 1): (Status.ERROR, "boom")},
@@ -152,7 +152,7 @@ def test_the_markdown_of_a_small_matrix_line_by_line():
 
 
 def test_the_preamble_follows_the_gates_and_the_verdict():
-    s = spec(block_sizes=(8,))
+    s = gate_spec(block_sizes=(8,))
     rows = rows_of(s, status={("B3", 0): (Status.UNAVAILABLE_CAPACITY, "too big")})
     cell = next(c for c in expand(s) if c.baseline == "B1")
     failed = Row.without_metrics(cell, Status.ERROR, "died")
@@ -183,7 +183,7 @@ def test_the_preamble_follows_the_gates_and_the_verdict():
 
 
 def test_a_missing_baseline_is_marked_and_has_no_speedup():
-    s = spec()
+    s = gate_spec()
     matrix, details, summary = scenario(s=s, rows=rows_of(s, drop=[("B0", 0)]))
     lines = matrix_markdown(matrix, details, summary, Gates()).splitlines()
     tokens = lines.index("### Output tokens/s (tok/s)")
@@ -242,7 +242,7 @@ def test_every_csv_column_of_one_line():
 
 
 def test_a_failed_baseline_keeps_its_status_and_reason_in_the_csv():
-    s = spec()
+    s = gate_spec()
     matrix, _, _ = scenario(s=s, rows=rows_of(s, status={("B1", 0): (Status.ERROR, "boom")}))
     b1 = next(r for r in csv.DictReader(io.StringIO(matrix_csv(matrix))) if r["baseline"] == "B1")
     assert b1["status"] == "ERROR" and b1["reason"] == "boom" and b1["output_tokens_per_second"] == ""
@@ -257,7 +257,7 @@ def test_json_is_written_as_upstream_does_and_never_with_nan():
 
 
 def test_several_allowances_and_warnings_are_joined_and_scaled_intervals_stay_in_their_unit():
-    s = spec(repeats=2)
+    s = gate_spec(repeats=2)
     rows = rows_of(
         s,
         OURS={"ttft_seconds": lambda r: [0.2, 0.3][r], "warnings": ["w1", "w2"]},
@@ -274,7 +274,7 @@ def test_several_allowances_and_warnings_are_joined_and_scaled_intervals_stay_in
 
 
 def test_a_model_id_with_a_bar_keeps_its_groups():
-    s = spec(models=("org/m|v2",))
+    s = gate_spec(models=("org/m|v2",))
     matrix, details, summary = scenario(s=s, rows=rows_of(s))
     lines = matrix_markdown(matrix, details, summary, Gates()).splitlines()
     assert "## org/m|v2" in lines and "| 8 | 1 | 20 | 30 | 70 | 45 |" in lines
@@ -282,7 +282,7 @@ def test_a_model_id_with_a_bar_keeps_its_groups():
 
 
 def test_blank_lines_only_where_there_is_something_to_separate():
-    s = spec()  # one block size: nothing shared; every gate passes: no notes
+    s = gate_spec()  # one block size: nothing shared; every gate passes: no notes
     matrix, details, summary = scenario(s=s, rows=rows_of(s))
     text = matrix_markdown(matrix, details, summary, Gates())
     lines = text.splitlines()
@@ -293,7 +293,7 @@ def test_blank_lines_only_where_there_is_something_to_separate():
 
 @pytest.mark.parametrize(("b0", "cell"), [(0.0, ""), (0.5, "60"), (1.0, "30")])
 def test_speedup_cells_need_a_positive_b0(b0, cell):
-    s = spec()
+    s = gate_spec()
     rows = rows_of(s, B0={"output_tokens_per_second": b0, "goodput_at_slo": b0})
     matrix, details, summary = scenario(s=s, rows=rows)
     lines = matrix_markdown(matrix, details, summary, Gates()).splitlines()

@@ -9,8 +9,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -18,75 +16,17 @@ from pathlib import Path
 import pytest
 
 from pd_dflash.cli import main
-from pd_dflash.costmodel import evaluate_hide_inequality
 from pd_dflash.errors import InputError
 from pd_dflash.report import build_report, effective_gates, write_outputs
 from pd_dflash.rows import append_row
-from pd_dflash.schema import EngineResult, Row
-from pd_dflash.spec import Gates, expand, load_spec
+from pd_dflash.schema import Row
+from pd_dflash.spec import Gates
 from pd_dflash.upstream import REQUIRED_METRICS, UPSTREAM_CSV_COLUMNS
+from tests.core.helpers import CANONICAL_OURS, synth_rows, upstream, upstream_group
 
 REPO = Path(__file__).resolve().parents[2]
 PHASE_A = REPO / "jobs" / "phase_a.yaml"
 GPTOSS = "openai/gpt-oss-20b"
-
-# -- upstream-format fixtures (the canonical gpt-oss OURS row of upstream's design, B=16, c=1) ------------
-
-CANONICAL_OURS = {
-    "model": GPTOSS,
-    "draft": "z-lab/gpt-oss-20b-DFlash",
-    "baseline": "OURS",
-    "block_size": 16,
-    "concurrency": 1,
-    "repeat": 0,
-    "output_tokens_per_second": 64.97956088942549,
-    "acceptance_length_a": 1.0,
-    "ttft_seconds": 0.29489212902262807,
-    "per_round_latency_seconds": 0.015389454565593041,
-    "goodput_at_slo": 64.97956088942549,
-    "expert_cache_hit_rate": 0.7637693631669535,
-    "route_ahead_prefetch_coverage": 1.0,
-    "wasted_prefetch_bytes": 0.0,
-    "expert_occupancy_bytes": 18246754304.0,
-    "kv_occupancy_bytes": 0.0,
-    "cost_terms": {
-        "measured_h2d_bytes_per_second": 57553826518.35307,
-        "route_ahead_coverage": 1.0,
-        "wasted_prefetch_bytes": 0,
-    },
-    "warnings": ["kv_occupancy_bytes fell back to 0.0"],
-}
-
-
-def upstream(baseline: str, *, block: int = 16, conc: int = 1, tps: float = 50.0, **over) -> dict:
-    """An upstream runner row (no status key, as upstream writes OK rows)."""
-    row = {
-        **CANONICAL_OURS,
-        "baseline": baseline,
-        "block_size": block,
-        "concurrency": conc,
-        "output_tokens_per_second": tps,
-        "goodput_at_slo": tps,
-    }
-    if baseline == "B0":
-        row["draft"] = ""
-    row.update(over)
-    return row
-
-
-def upstream_blocked_b2(*, block: int = 16, conc: int = 1) -> dict:
-    keep = ("model", "draft", "baseline", "block_size", "concurrency", "repeat")
-    row = {k: v for k, v in upstream("B2", block=block, conc=conc).items() if k in keep}
-    return {**row, "status": "BLOCKED_UNTIL_2D_SCHEDULER"}
-
-
-def upstream_group(block: int = 16, conc: int = 1) -> list[dict]:
-    return [
-        upstream("B0", block=block, conc=conc, tps=20.0),
-        upstream("B1", block=block, conc=conc, tps=40.0),
-        upstream_blocked_b2(block=block, conc=conc),
-        upstream("B3", block=block, conc=conc, tps=90.0),
-    ]
 
 
 def run_cli(*argv: str) -> int:
@@ -94,71 +34,6 @@ def run_cli(*argv: str) -> int:
 
 
 # -- synthetic Phase-A grid -----------------------------------------------------------------------------
-
-BASE_TPS = {"B0": 20.0, "B1": 30.0, "B2": 33.0, "OURS": 45.0, "B3": 70.0}
-
-
-def synth_result(cell, rng: random.Random, **over) -> EngineResult:
-    """Made-up but internally consistent numbers for one cell (ordering B0 < B1 < OURS <= B3 holds)."""
-    spec_dec = cell.baseline in ("B1", "B2", "OURS")
-    tps = BASE_TPS[cell.baseline] * math.sqrt(cell.concurrency) * rng.uniform(0.97, 1.03)
-    acc = min(cell.block_size, 3.0 + cell.block_size / 8 + rng.uniform(-0.2, 0.2)) if spec_dec else 1.0
-    coverage = {"B0": 0.4, "B1": 0.5, "B2": 0.5, "B3": 1.0, "OURS": 0.9}[cell.baseline] + rng.uniform(
-        -0.02, 0.02
-    )
-    data = {
-        "output_tokens_per_second": tps,
-        "acceptance_length_a": acc,
-        "ttft_seconds": 0.2 * rng.uniform(0.9, 1.1),
-        "per_round_latency_seconds": 0.015 * rng.uniform(0.9, 1.1),
-        "goodput_at_slo": tps,
-        "expert_cache_hit_rate": 0.75,
-        "route_ahead_prefetch_coverage": min(1.0, coverage),
-        "wasted_prefetch_bytes": 1e8 * rng.uniform(0.5, 1.5),
-        "expert_occupancy_bytes": 1.8e10,
-        "kv_occupancy_bytes": 6.5e7,
-    }
-    if spec_dec:
-        data["t_draft_seconds"] = 0.04
-        data["t_router_seconds"] = 0.002 * rng.uniform(0.9, 1.1)
-        data["t_verify_seconds"] = 0.02
-        predicted = 1000
-        data["route_ahead"] = {
-            "steps": 10,
-            "layers_observed": 240,
-            "predicted_experts": predicted,
-            "actual_experts": 900,
-            "covered_experts": int(900 * coverage),
-            "kept_experts": 800,
-            "wasted_experts": 200,
-            "coverage": min(1.0, coverage),
-            "waste_ratio": 0.2 + rng.uniform(-0.02, 0.02),
-        }
-    if cell.baseline == "OURS":
-        data["hide_inequality"] = evaluate_hide_inequality(
-            resident_fraction=0.5,
-            saturation=1.0,
-            total_expert_bytes=14e9,
-            measured_h2d_bytes_per_second=50e9,
-            draft_seconds=0.04,
-            router_seconds=0.01,
-            overlap_seconds=0.10 * rng.uniform(0.99, 1.01),
-        )
-    data.update(over)
-    return EngineResult(**data)
-
-
-def synth_rows(baselines=None, repeats=None, seed: int = 1408, tweak=None) -> list[Row]:
-    rng = random.Random(seed)
-    rows = []
-    for cell in expand(load_spec(PHASE_A)):
-        if (baselines and cell.baseline not in baselines) or (
-            repeats is not None and cell.repeat not in repeats
-        ):
-            continue
-        over = tweak(cell) if tweak else {}
-        rows.append(Row.from_result(cell, synth_result(cell, rng, **over)))
-    return rows
 
 
 def write_jsonl(path: Path, rows) -> Path:

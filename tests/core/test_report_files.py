@@ -16,14 +16,12 @@ from pd_dflash.rows import append_row, encode_row
 from pd_dflash.schema import CostTerms, Status
 from pd_dflash.spec import Gates
 from pd_dflash.upstream import REQUIRED_METRICS
-from tests.core.test_gate_verdicts import rows_of, spec
-
-KEY = "m|B8|c1"
+from tests.core.helpers import KEY, gate_spec, rows_of
 
 
 def with_cost_terms(*terms):
     """OURS repeats carrying the given cost terms (one dict per repeat)."""
-    return rows_of(spec(repeats=len(terms)), OURS={"cost_terms": lambda r: CostTerms(**terms[r])})
+    return rows_of(gate_spec(repeats=len(terms)), OURS={"cost_terms": lambda r: CostTerms(**terms[r])})
 
 
 def test_cost_terms_are_merged_over_the_measured_repeats():
@@ -38,16 +36,16 @@ def test_cost_terms_are_merged_over_the_measured_repeats():
     assert merged["h2d_bandwidth_source"] == "mixed: probe, transfers"  # text kept only when all agree
     rounded = with_cost_terms({"h2d_bytes": 1}, {"h2d_bytes": 2})
     assert aggregated_row(build_matrix(rounded), KEY, "OURS")["cost_terms"]["h2d_bytes"] == 2  # 1.5 -> 2
-    assert "cost_terms" not in aggregated_row(build_matrix(rows_of(spec())), KEY, "B0")  # none stored
+    assert "cost_terms" not in aggregated_row(build_matrix(rows_of(gate_spec())), KEY, "B0")  # none stored
 
 
 def test_a_baseline_without_measured_repeats_has_no_cost_terms():
-    rows = rows_of(spec(), status={("OURS", 0): (Status.ERROR, "boom")})
+    rows = rows_of(gate_spec(), status={("OURS", 0): (Status.ERROR, "boom")})
     assert "cost_terms" not in aggregated_row(build_matrix(rows), KEY, "OURS")
 
 
 def test_result_matrix_json_layout_and_repeats_as_stored():
-    rows = rows_of(spec(models=("m", "a")))
+    rows = rows_of(gate_spec(models=("m", "a")))
     text = matrix_json(build_matrix(rows))
     data = json.loads(text)
     assert list(data) == ["a|B8|c1", "m|B8|c1"]  # sorted keys
@@ -63,12 +61,12 @@ def test_result_matrix_json_layout_and_repeats_as_stored():
 
 
 def test_effective_gates_widen_the_spec_with_the_command_line():
-    s = spec().model_copy(update={"gates": Gates(allow_blocked=["B3"], min_coverage=0.5)})
+    s = gate_spec().model_copy(update={"gates": Gates(allow_blocked=["B3"], min_coverage=0.5)})
     gates = effective_gates(s, ["B2", "B0", "B3"], ["kv_occupancy_bytes"])
     assert gates.allow_blocked == ["B0", "B2", "B3"] and gates.min_coverage == 0.5  # upstream's order
     assert gates.allow_unmeasured == ["kv_occupancy_bytes"]
     again = effective_gates(
-        spec().model_copy(update={"gates": Gates(allow_unmeasured=["ttft_seconds"])}),
+        gate_spec().model_copy(update={"gates": Gates(allow_unmeasured=["ttft_seconds"])}),
         allow_unmeasured=["ttft_seconds", "goodput_at_slo"],
     )
     assert again.allow_unmeasured == ["ttft_seconds", "goodput_at_slo"]  # no duplicate
@@ -84,7 +82,7 @@ def test_effective_gates_widen_the_spec_with_the_command_line():
 
 
 def test_inputs_are_read_from_files_and_directories_with_their_places(tmp_path):
-    rows = rows_of(spec())
+    rows = rows_of(gate_spec())
     (tmp_path / "sweep").mkdir()
     for r in rows[:2]:
         append_row(tmp_path / "sweep" / "rows.jsonl", r)
@@ -108,17 +106,17 @@ def test_inputs_are_read_from_files_and_directories_with_their_places(tmp_path):
 
 
 def test_build_report_and_write_outputs_give_the_same_files(tmp_path):
-    rows = rows_of(spec())
-    verdict, files = build_report(rows, Gates(), spec=spec())
+    rows = rows_of(gate_spec())
+    verdict, files = build_report(rows, Gates(), spec=gate_spec())
     assert sorted(files) == ["result_matrix.csv", "result_matrix.json", "result_matrix.md", "verdict.json"]
     assert verdict["complete"] is True and verdict["exit_code"] == 0
     assert json.loads(files["verdict.json"])["overall"]["verdict"] == "GO"
-    written = write_outputs(rows, tmp_path, Gates(), spec=spec())
+    written = write_outputs(rows, tmp_path, Gates(), spec=gate_spec())
     assert written == verdict
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)  # no plots unless asked for
     for name, content in files.items():
         assert (tmp_path / name).read_text() == content
-    incomplete, _ = build_report(rows[1:], Gates(), spec=spec())
+    incomplete, _ = build_report(rows[1:], Gates(), spec=gate_spec())
     assert incomplete["complete"] is False and incomplete["exit_code"] == 1
     nothing, _ = build_report([], Gates())
     assert nothing["complete"] is False and nothing["exit_code"] == 1 and nothing["groups"] == {}
@@ -131,7 +129,7 @@ def test_one_repeats_text_cost_terms_are_kept():
 
 
 def test_a_report_names_rows_by_the_sources_it_is_given():
-    rows = rows_of(spec())
+    rows = rows_of(gate_spec())
     failed = rows[1].model_copy(
         update={
             **dict.fromkeys(
@@ -144,12 +142,12 @@ def test_a_report_names_rows_by_the_sources_it_is_given():
         }
     )  # fmt: skip
     sources = ["a.jsonl:1", *(f"b.jsonl:{i}" for i in range(1, len(rows) + 1))]
-    _, files = build_report([failed, *rows], Gates(), spec=spec(), sources=sources)
+    _, files = build_report([failed, *rows], Gates(), spec=gate_spec(), sources=sources)
     assert "- superseded failed row a.jsonl:1 by b.jsonl:2" in files["result_matrix.md"].splitlines()
 
 
 def test_write_outputs_creates_the_directory_plots_included_and_uses_the_sources(tmp_path):
-    rows = rows_of(spec())
+    rows = rows_of(gate_spec())
     failed = rows[1].model_copy(
         update={**dict.fromkeys(REQUIRED_METRICS), "status": Status.ERROR, "reason": "x"}
     )
@@ -165,7 +163,7 @@ def test_write_outputs_creates_the_directory_plots_included_and_uses_the_sources
 def test_a_text_value_shaped_like_a_repeat_placeholder_is_written_as_is():
     """Repeats are spliced in through placeholders; a row's own text (here its draft) must never be taken for
     one, whatever it reads."""
-    rows = [r.model_copy(update={"draft": "None-0"}) for r in rows_of(spec())]
+    rows = [r.model_copy(update={"draft": "None-0"}) for r in rows_of(gate_spec())]
     data = json.loads(matrix_json(build_matrix(rows)))
     ours = data[KEY]["OURS"]
     assert ours["draft"] == "None-0"
@@ -176,7 +174,7 @@ def test_a_text_value_shaped_like_a_repeat_placeholder_is_written_as_is():
 def test_result_matrix_json_never_holds_nan_or_infinity():
     """Two finite repeats of 1.5e308 tokens/s overflow to an infinite mean: result_matrix.json is then refused
     (a ValueError) or written as strict JSON, never with the non-standard token ``Infinity``."""
-    rows = rows_of(spec(repeats=2), OURS={"output_tokens_per_second": 1.5e308})
+    rows = rows_of(gate_spec(repeats=2), OURS={"output_tokens_per_second": 1.5e308})
 
     def no_constant(token: str):
         raise AssertionError(f"result_matrix.json holds {token}")

@@ -16,7 +16,7 @@ from pd_dflash.report.aggregate import summary_stats, t_quantile_975
 from pd_dflash.schema import Row
 from pd_dflash.spec import Gates, load_spec
 from pd_dflash.upstream import REQUIRED_METRICS
-from tests.core.test_report import PHASE_A, synth_rows
+from tests.core.helpers import ANCHOR, PHASE_A, synth_rows
 
 GROUPS = 24
 KEY = "openai/gpt-oss-20b|B16|c8"
@@ -114,16 +114,6 @@ def test_bm1_not_evaluated_without_terms():
 
 
 # -- hide inequality ------------------------------------------------------------------------------------
-
-ANCHOR = dict(
-    resident_fraction=0.5,
-    saturation=1.0,
-    total_expert_bytes=14e9,
-    measured_h2d_bytes_per_second=50e9,
-    draft_seconds=0.04,
-    router_seconds=0.01,
-    overlap_seconds=0.10,
-)
 
 
 def test_hide_inequality_anchor_hidden_and_r0_not_hidden():

@@ -11,7 +11,7 @@ from pd_dflash.report.brief import RowBrief
 from pd_dflash.rows import append_row
 from pd_dflash.schema import Row
 from pd_dflash.spec import Gates
-from tests.core.test_report import synth_rows
+from tests.core.helpers import synth_rows
 
 
 def test_report_keeps_summaries_and_copies_stored_lines(tmp_path):

@@ -3,8 +3,6 @@ latency distributions."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 from pydantic import ValidationError
 
@@ -24,14 +22,10 @@ from pd_dflash.schema import (
     percentile,
 )
 from pd_dflash.upstream import REQUIRED_METRICS, ROUTE_AHEAD_KEYS
+from tests.helpers import exactly
 
 METRICS = dict.fromkeys(REQUIRED_METRICS, 1.0)
 IDENT = {"model": "m", "baseline": "B1", "block_size": 4, "concurrency": 1}
-
-
-def exactly(text: str) -> str:
-    """A pattern matching ``text`` and nothing around it (pytest.raises(match=...) searches)."""
-    return f"^{re.escape(text)}$"
 
 
 def fails(message: str, **data):

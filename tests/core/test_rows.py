@@ -22,14 +22,9 @@ from pd_dflash.rows import (
     repair_tail,
     write_atomic,
 )
-from pd_dflash.schema import Row, parse_row
-from tests.core.test_report import upstream
+from tests.core.helpers import ours_row
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def row(repeat: int) -> Row:
-    return parse_row(upstream("OURS", repeat=repeat), where="test")
 
 
 def test_a_write_cut_by_a_file_size_limit_is_rolled_back_and_the_next_append_is_clean(tmp_path):
@@ -37,14 +32,14 @@ def test_a_write_cut_by_a_file_size_limit_is_rolled_back_and_the_next_append_is_
     full disk does. The file must be back at its last good offset before anything else is written, and once
     space is back the next row lands on a line of its own."""
     path = tmp_path / "rows.jsonl"
-    append_row(path, row(0))
+    append_row(path, ours_row(0))
     good = path.stat().st_size
     code = f"""
 import os, resource, signal
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 from pd_dflash.rows import append_row
 from pd_dflash.schema import parse_row
-from tests.core.test_report import upstream
+from tests.core.helpers import upstream
 path = {str(path)!r}
 soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
 resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 100, hard))
@@ -68,10 +63,10 @@ append_row(path, parse_row(upstream("OURS", repeat=2), where="t"))
 
 def test_a_complete_last_row_without_newline_is_kept_and_the_next_append_starts_a_line(tmp_path):
     path = tmp_path / "rows.jsonl"
-    path.write_bytes(encode_row(row(0)) + encode_row(row(1)).rstrip(b"\n"))
+    path.write_bytes(encode_row(ours_row(0)) + encode_row(ours_row(1)).rstrip(b"\n"))
     rows, torn = read_rows(path, tolerate_torn_tail=True)
     assert torn is None and [r.repeat for r in rows] == [0, 1]
-    append_row(path, row(2))
+    append_row(path, ours_row(2))
     rows, torn = read_rows(path, tolerate_torn_tail=True)
     assert torn is None and [r.repeat for r in rows] == [0, 1, 2]
     assert path.read_bytes().endswith(b"\n") and path.read_bytes().count(b"\n") == 3
@@ -79,7 +74,7 @@ def test_a_complete_last_row_without_newline_is_kept_and_the_next_append_starts_
 
 def test_repair_keeps_a_complete_last_row_and_adds_its_newline(tmp_path):
     path = tmp_path / "rows.jsonl"
-    path.write_bytes(encode_row(row(0)) + encode_row(row(1)).rstrip(b"\n"))
+    path.write_bytes(encode_row(ours_row(0)) + encode_row(ours_row(1)).rstrip(b"\n"))
     repaired = repair_tail(path)
     assert repaired is not None and repaired.kind == "newline" and "newline" in repaired.describe()
     assert not (tmp_path / "rows.jsonl.torn").exists()
@@ -89,20 +84,20 @@ def test_repair_keeps_a_complete_last_row_and_adds_its_newline(tmp_path):
 
 def test_repair_moves_a_torn_tail_aside_and_says_so(tmp_path):
     path = tmp_path / "rows.jsonl"
-    path.write_bytes(encode_row(row(0)) + encode_row(row(1))[:50])
+    path.write_bytes(encode_row(ours_row(0)) + encode_row(ours_row(1))[:50])
     repaired = repair_tail(path)
     assert repaired is not None and repaired.kind == "torn" and repaired.size == 50
     assert str(tmp_path / "rows.jsonl.torn") in repaired.describe()
-    assert (tmp_path / "rows.jsonl.torn").read_bytes() == encode_row(row(1))[:50] + b"\n"
-    assert path.read_bytes() == encode_row(row(0))
+    assert (tmp_path / "rows.jsonl.torn").read_bytes() == encode_row(ours_row(1))[:50] + b"\n"
+    assert path.read_bytes() == encode_row(ours_row(0))
 
 
 def test_an_append_onto_a_torn_tail_is_refused_and_changes_nothing(tmp_path):
     path = tmp_path / "rows.jsonl"
-    before = encode_row(row(0)) + b'{"model": "openai/gpt'
+    before = encode_row(ours_row(0)) + b'{"model": "openai/gpt'
     path.write_bytes(before)
     with pytest.raises(UnsafeAppend, match="incomplete line"):
-        append_row(path, row(1))
+        append_row(path, ours_row(1))
     assert path.read_bytes() == before
 
 
@@ -127,7 +122,7 @@ def test_a_failed_atomic_write_leaves_no_temp_file(tmp_path):
 def test_files_are_created_0640_whatever_the_umask(tmp_path):
     old = os.umask(0)
     try:
-        append_row(tmp_path / "rows.jsonl", row(0))
+        append_row(tmp_path / "rows.jsonl", ours_row(0))
         write_atomic(tmp_path / "result_matrix.json", "{}\n")
         write_atomic(tmp_path / "plot.png", b"\x89PNG")
         (tmp_path / "torn.jsonl").write_bytes(b'{"a": ')
@@ -148,10 +143,10 @@ def test_files_are_created_0640_whatever_the_umask(tmp_path):
 
 def test_stored_lines_are_compact_json_of_the_row(tmp_path):
     path = tmp_path / "rows.jsonl"
-    append_row(path, row(0))
+    append_row(path, ours_row(0))
     line = path.read_bytes()
     assert line.endswith(b"\n") and line.count(b"\n") == 1
-    assert json.loads(line) == row(0).to_json_dict()
+    assert json.loads(line) == ours_row(0).to_json_dict()
 
 
 def test_a_callable_writes_utf8_whatever_the_locale(tmp_path):

@@ -10,12 +10,12 @@ import pytest
 from pd_dflash.errors import InputError
 from pd_dflash.rows import _line_before, append_json, encode_row, read_rows, repair_tail
 from pd_dflash.sweep.resume import current_rows_of
-from tests.core.test_rows import row
+from tests.core.helpers import ours_row
 
 
 def test_a_newline_repair_happens_at_the_end_of_the_file(tmp_path):
     path = tmp_path / "rows.jsonl"
-    body = encode_row(row(0)) + encode_row(row(1)).rstrip(b"\n")
+    body = encode_row(ours_row(0)) + encode_row(ours_row(1)).rstrip(b"\n")
     path.write_bytes(body)
     repaired = repair_tail(path)
     assert (repaired.kind, repaired.offset, repaired.size, repaired.aside) == ("newline", len(body), 0, None)
@@ -24,7 +24,7 @@ def test_a_newline_repair_happens_at_the_end_of_the_file(tmp_path):
 
 def test_a_torn_repair_cuts_at_the_start_of_the_torn_line(tmp_path):
     path = tmp_path / "rows.jsonl"
-    first = encode_row(row(0))
+    first = encode_row(ours_row(0))
     path.write_bytes(first + b'{"model": "m')
     repaired = repair_tail(path)
     assert (repaired.kind, repaired.offset, repaired.size) == ("torn", len(first), len(b'{"model": "m'))
@@ -68,7 +68,7 @@ def test_event_lines_are_compact_json(tmp_path):
 
 
 def test_the_current_rows_of_a_directory_ignore_a_torn_last_line(tmp_path):
-    (tmp_path / "rows.jsonl").write_bytes(encode_row(row(0)) + b'{"model": "m')
+    (tmp_path / "rows.jsonl").write_bytes(encode_row(ours_row(0)) + b'{"model": "m')
     assert [r.repeat for r in current_rows_of(tmp_path)] == [0]
     assert current_rows_of(tmp_path / "nowhere") == []
 
@@ -87,7 +87,7 @@ def test_a_complete_last_line_is_an_object_no_deeper_than_the_limit(tmp_path):
     cases = {b"[1, 2]": "torn", nested(MAX_DEPTH): "newline", nested(MAX_DEPTH + 1): "torn"}
     for i, (last, kind) in enumerate(cases.items()):
         path = tmp_path / f"rows{i}.jsonl"
-        path.write_bytes(encode_row(row(0)) + last)
+        path.write_bytes(encode_row(ours_row(0)) + last)
         assert repair_tail(path).kind == kind, (last[:20], kind)
 
 
@@ -112,7 +112,7 @@ def test_a_failed_roll_back_says_both_failures_and_how_to_repair(tmp_path, monke
     import errno
 
     path = tmp_path / "rows.jsonl"
-    path.write_bytes(encode_row(row(0)))
+    path.write_bytes(encode_row(ours_row(0)))
     size = path.stat().st_size
 
     def full(fd, data):
@@ -139,7 +139,7 @@ def test_a_torn_last_line_keeps_its_text_without_the_newline(tmp_path):
     from pd_dflash.rows import read_rows
 
     path = tmp_path / "rows.jsonl"
-    first = encode_row(row(0))
+    first = encode_row(ours_row(0))
     path.write_bytes(first + b'{"model": "m\xff  \n\n')  # cut short, with a byte that is not UTF-8
     rows, torn = read_rows(path, tolerate_torn_tail=True)
     assert [r.repeat for r in rows] == [0]
@@ -157,7 +157,7 @@ def test_a_bad_line_in_the_middle_is_named_by_its_line(tmp_path):
     from pd_dflash.rows import read_rows
 
     path = tmp_path / "rows.jsonl"
-    path.write_bytes(encode_row(row(0)) + b"\xfe\n" + encode_row(row(1)))
+    path.write_bytes(encode_row(ours_row(0)) + b"\xfe\n" + encode_row(ours_row(1)))
     with pytest.raises(InputError) as err:
         read_rows(path, tolerate_torn_tail=True)
     assert str(err.value) == f"{path}:2: not UTF-8 text (byte 0xfe at offset 0)"
@@ -169,25 +169,29 @@ def test_whole_json_files_indented_listed_or_single_with_their_places(tmp_path):
     from pd_dflash.rows import iter_rows
 
     listed = tmp_path / "rows.json"
-    listed.write_text("\n  " + _json.dumps([row(0).to_json_dict(), row(1).to_json_dict()], indent=2))
+    listed.write_text(
+        "\n  " + _json.dumps([ours_row(0).to_json_dict(), ours_row(1).to_json_dict()], indent=2)
+    )
     got = list(iter_rows(listed))
     assert [(r.repeat, s.path, s.label, s.offset) for r, s in got] == [
         (0, listed, f"{listed}[0]", None),
         (1, listed, f"{listed}[1]", None),
     ]
     single = tmp_path / "row.json"
-    single.write_text(_json.dumps(row(2).to_json_dict(), indent=2))
+    single.write_text(_json.dumps(ours_row(2).to_json_dict(), indent=2))
     ((only, source),) = list(iter_rows(single))
     assert only.repeat == 2 and (source.path, source.label) == (single, str(single))
     bad = tmp_path / "bad.json"
     bad.write_text(
-        _json.dumps([row(0).to_json_dict(), {**row(1).to_json_dict(), "ttft_seconds": -1}], indent=1)
+        _json.dumps(
+            [ours_row(0).to_json_dict(), {**ours_row(1).to_json_dict(), "ttft_seconds": -1}], indent=1
+        )
     )
     with pytest.raises(InputError) as err:
         list(iter_rows(bad))
     assert str(err.value).startswith(f"{bad}[1]: ")
     bad_single = tmp_path / "bad_single.json"
-    bad_single.write_text(_json.dumps({**row(0).to_json_dict(), "ttft_seconds": -1}, indent=1))
+    bad_single.write_text(_json.dumps({**ours_row(0).to_json_dict(), "ttft_seconds": -1}, indent=1))
     with pytest.raises(InputError) as err:
         list(iter_rows(bad_single))
     assert str(err.value).startswith(f"{bad_single}: ") and "ttft_seconds" in str(err.value)
@@ -196,7 +200,7 @@ def test_whole_json_files_indented_listed_or_single_with_their_places(tmp_path):
 def test_nan_in_a_free_form_field_is_refused_naming_the_file(tmp_path):
     from pd_dflash.rows import iter_rows
 
-    text = encode_row(row(0)).decode().rstrip("\n")
+    text = encode_row(ours_row(0)).decode().rstrip("\n")
     whole = tmp_path / "rows.json"
     whole.write_text("[" + text[:-1] + ', "engine": {"x": NaN}}]')
     with pytest.raises(InputError) as err:
@@ -213,7 +217,7 @@ def test_a_file_starting_with_whitespace_or_a_foreign_byte(tmp_path):
     from pd_dflash.rows import iter_rows
 
     spaced = tmp_path / "rows.json"
-    spaced.write_text("  \n\t" + json.dumps([row(0).to_json_dict()], indent=2))
+    spaced.write_text("  \n\t" + json.dumps([ours_row(0).to_json_dict()], indent=2))
     assert [r.repeat for r, _ in iter_rows(spaced)] == [0]
     foreign = tmp_path / "rows.bin"
     foreign.write_bytes(b"\xff\xfe[]")
@@ -266,10 +270,10 @@ def test_an_append_onto_a_torn_line_names_the_file_and_the_offset(tmp_path):
     from pd_dflash.rows import UnsafeAppend, append_row
 
     path = tmp_path / "rows.jsonl"
-    first = encode_row(row(0))
+    first = encode_row(ours_row(0))
     path.write_bytes(first + b'{"mod')
     with pytest.raises(UnsafeAppend) as err:
-        append_row(path, row(1))
+        append_row(path, ours_row(1))
     assert str(err.value) == (
         f"{path} ends with an incomplete line at offset {len(first)}: run `pd-dflash run --resume` to repair it"
     )
@@ -291,7 +295,7 @@ def test_only_the_first_4096_bytes_decide_whether_a_file_is_one_json_document(tm
     lines (the same row, named by its line and offset)."""
     from pd_dflash.rows import iter_rows
 
-    text = encode_row(row(3))
+    text = encode_row(ours_row(3))
     near = tmp_path / "near.json"
     near.write_bytes(b"\n" * 4095 + text)
     ((got, source),) = list(iter_rows(near))

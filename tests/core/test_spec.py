@@ -14,22 +14,9 @@ from pd_dflash.engine.registry import check
 from pd_dflash.errors import InputError
 from pd_dflash.plan import plan
 from pd_dflash.spec import expand, load_spec, parse_spec
+from tests.core.helpers import base_spec
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def base_spec(**over):
-    data = {
-        "name": "t",
-        "engine": "reference",
-        "models": [{"id": "micro", "preset": "micro", "draft": "micro-dflash"}],
-        "baselines": ["B0", "B1", "B2", "B3", "OURS"],
-        "block_sizes": [8, 16],
-        "concurrency": [1, 4],
-        "repeats": 2,
-    }
-    data.update(over)
-    return data
 
 
 def test_phase_a_plan_counts():

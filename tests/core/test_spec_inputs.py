@@ -11,7 +11,7 @@ import yaml
 from pd_dflash.cli import main
 from pd_dflash.spec import expand, parse_spec
 from pd_dflash.spec_inputs import DEFAULT_CHAT_DATE, RAY_MIN_TASK_MEMORY, local_memory_problem
-from tests.core.test_bad_inputs import spec_data
+from tests.core.helpers import spec_data
 
 
 def plan(tmp_path: Path, capsys, data: dict) -> tuple[int, str]:

@@ -14,7 +14,7 @@ from pd_dflash.rows import append_row, read_rows
 from pd_dflash.schema import Row, parse_row
 from pd_dflash.spec import Gates
 from tests.core import upstream_oracle as upstream_report
-from tests.core.test_report import synth_rows, upstream, upstream_group
+from tests.core.helpers import synth_rows, upstream, upstream_group
 
 BYTE_METRICS = ("wasted_prefetch_bytes", "expert_occupancy_bytes", "kv_occupancy_bytes")
 

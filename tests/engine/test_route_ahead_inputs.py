@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,13 +10,9 @@ import pytest
 import torch
 
 from pd_dflash.engine.route_ahead import routed_rows
+from tests.helpers import exactly
 
 ROWS = (frozenset({0, 2}), frozenset({1}))
-
-
-def exactly(text: str) -> str:
-    """A pattern matching ``text`` and nothing around it (pytest.raises(match=...) searches)."""
-    return f"^{re.escape(text)}$"
 
 
 class DimOnly:

@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from tests.sweep.helpers import kill_pids, processes_using
+from tests.sweep.helpers import kill_pids, make_spec, processes_using
 
 
 @pytest.fixture
@@ -17,3 +17,9 @@ def ray_tmp():
     yield path
     kill_pids(processes_using(path))
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def spec():
+    """The 12-cell sweep of the test engines (``helpers.spec_data``), for tests that need its cells only."""
+    return make_spec()

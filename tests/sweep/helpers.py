@@ -1,4 +1,4 @@
-"""Helpers shared by the orchestrator tests: specs with the test engines, row files, process cleanup."""
+"""Helpers shared by the orchestrator tests: specs with the test engines, rows and row files, process cleanup."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from typing import Any
 import yaml
 
 from pd_dflash.rows import read_rows
-from pd_dflash.schema import Row
-from pd_dflash.spec import SweepSpec, parse_spec
+from pd_dflash.schema import Row, Status
+from pd_dflash.spec import Cell, SweepSpec, parse_spec
+from tests.sweep.engines import synthetic_result
 
 REPO = Path(__file__).resolve().parents[2]
 FIXED = "tests.sweep.engines:FixedDurationEngine"
@@ -47,6 +48,16 @@ def spec_data(engine: str = FIXED, **over: Any) -> dict[str, Any]:
 
 def make_spec(**over: Any) -> SweepSpec:
     return parse_spec(spec_data(**over))
+
+
+def ok_row(cell: Cell, attempt: int = 1, seconds: float = 0.1) -> Row:
+    """The OK row of ``cell`` the store tests add: a synthetic result of 4 requests in ``seconds``."""
+    return Row.from_result(cell, synthetic_result(cell, 4, seconds), attempt=attempt, sweep="t")
+
+
+def failed_row(cell: Cell, status: Status = Status.ERROR, attempt: int = 1, **over: Any) -> Row:
+    """A row of ``cell`` without metrics (reason "boom"); ``over`` sets bookkeeping fields (runner, times)."""
+    return Row.without_metrics(cell, status, "boom", attempt=attempt, sweep="t", **over)
 
 
 def write_spec(path: Path, data: dict[str, Any]) -> Path:
@@ -87,6 +98,28 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def start_run(spec_path: Path, out: Path, ray_tmp: str, **popen: Any) -> subprocess.Popen:
+    """``pd-dflash run`` as a driver process of its own (local mode, its Ray cluster under ``ray_tmp``), left
+    running; ``popen`` replaces the Popen arguments (output piped as text unless told otherwise)."""
+    cmd = [sys.executable, "-m", "pd_dflash", "run", str(spec_path), "--out", str(out), "--no-progress"]
+    options: dict[str, Any] = {
+        "cwd": REPO,
+        "env": {**os.environ, "RAY_TMPDIR": ray_tmp},
+        "stdout": subprocess.PIPE,
+        "stderr": subprocess.PIPE,
+        "text": True,
+    }
+    return subprocess.Popen(cmd, **{**options, **popen})
+
+
+def wait_for_rows(driver: subprocess.Popen, out: Path, n: int, timeout: float = 120.0) -> None:
+    """Until ``n`` rows are stored while the driver still runs (or fail the test when that takes too long)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(stored_so_far(out)) < n and driver.poll() is None:
+        time.sleep(0.05)
+    assert driver.poll() is None and len(stored_so_far(out)) >= n, "the sweep did not get going in time"
 
 
 def processes_using(path: str) -> list[int]:

@@ -8,9 +8,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -21,12 +18,13 @@ from pd_dflash.schema import Status
 from pd_dflash.spec import expand, parse_spec
 from pd_dflash.sweep.resume import current_rows
 from tests.sweep.helpers import (
-    REPO,
     kill_pids,
     processes_using,
     run_cli,
     spec_data,
+    start_run,
     stored_so_far,
+    wait_for_rows,
     write_spec,
 )
 
@@ -42,25 +40,6 @@ def short_spec(tmp_path, repeats=2, seconds=0.4):
         repeats=repeats,
     )
     return write_spec(tmp_path / "spec.yaml", data), parse_spec(data)
-
-
-def start(spec_path, out, ray_tmp, **popen):
-    return subprocess.Popen(
-        [sys.executable, "-m", "pd_dflash", "run", str(spec_path), "--out", str(out), "--no-progress"],
-        cwd=REPO,
-        env={**os.environ, "RAY_TMPDIR": ray_tmp},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **popen,
-    )
-
-
-def wait_for_rows(driver, out, n, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and len(stored_so_far(out)) < n and driver.poll() is None:
-        time.sleep(0.05)
-    assert driver.poll() is None and len(stored_so_far(out)) >= n, "the sweep did not get going in time"
 
 
 def finish(driver, timeout=120.0):
@@ -88,7 +67,7 @@ def pids_of(ray_tmp: str, program: str) -> list[int]:
 def test_losing_the_local_node_is_said_recorded_and_resumable(tmp_path, ray_tmp, program):
     spec_path, spec = short_spec(tmp_path)
     out = tmp_path / "out"
-    driver = start(spec_path, out, ray_tmp)
+    driver = start_run(spec_path, out, ray_tmp)
     wait_for_rows(driver, out, 3)
     victims = pids_of(ray_tmp, program)
     assert len(victims) == 1, victims
@@ -129,7 +108,7 @@ def _replace(path: Path) -> None:
 def test_a_rows_file_removed_or_replaced_mid_run_stops_the_sweep_named(tmp_path, ray_tmp, tamper):
     spec_path, spec = short_spec(tmp_path)
     out = tmp_path / "out"
-    driver = start(spec_path, out, ray_tmp)
+    driver = start_run(spec_path, out, ray_tmp)
     wait_for_rows(driver, out, 3)
     tamper(out / "rows.jsonl")
     stdout, stderr = finish(driver)
@@ -183,7 +162,7 @@ def test_a_hangup_under_nohup_is_ignored_and_the_sweep_finishes(tmp_path, ray_tm
     def as_nohup():
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    driver = start(spec_path, out, ray_tmp, preexec_fn=as_nohup)
+    driver = start_run(spec_path, out, ray_tmp, preexec_fn=as_nohup)
     wait_for_rows(driver, out, 2)
     driver.send_signal(signal.SIGHUP)
     stdout, stderr = finish(driver)

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -20,7 +19,15 @@ from pd_dflash.rows import read_rows
 from pd_dflash.schema import Status, parse_row
 from pd_dflash.spec import expand, parse_spec
 from tests.row_checks import assert_matrix_matches_rows
-from tests.sweep.helpers import REPO, kill_pids, processes_using, recorded, run_cli, spec_data, write_spec
+from tests.sweep.helpers import (
+    kill_pids,
+    processes_using,
+    recorded,
+    run_cli,
+    spec_data,
+    start_run,
+    write_spec,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -46,14 +53,7 @@ def test_local_run_killed_then_resumed_stores_every_cell_once_and_recomputes_onl
     spec_path = write_spec(tmp_path / "spec.yaml", data)
     all_ids = {c.cell_id for c in expand(parse_spec(data))}
     out = tmp_path / "out"
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "pd_dflash", "run", str(spec_path), "--out", str(out), "--no-progress"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    driver = start_run(spec_path, out, ray_tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and len(stored_ids(out)) < 6 and driver.poll() is None:

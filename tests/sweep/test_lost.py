@@ -10,15 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from pd_dflash.schema import Row
 from pd_dflash.spec import expand
 from pd_dflash.sweep import lost as lost_module
 from pd_dflash.sweep.lost import LocalWatch, lost_outcome, record_loss
 from pd_dflash.sweep.options import ClusterLost, RunOptions
 from pd_dflash.sweep.resume import Mode
 from pd_dflash.sweep.store import SweepStore
-from tests.sweep.engines import synthetic_result
-from tests.sweep.helpers import make_spec
+from tests.sweep.helpers import make_spec, ok_row
 
 
 @pytest.fixture
@@ -56,7 +54,7 @@ def stored_sweep(tmp_path, spec, n=3):
     store = SweepStore(tmp_path, spec, Mode.RESUME)
     store.open(run_info={"note": "the run that lost its cluster"})
     for cell in expand(spec)[:n]:
-        store.add(Row.from_result(cell, synthetic_result(cell, 4, 0.1), sweep="t"))
+        store.add(ok_row(cell))
     return store
 
 

@@ -21,12 +21,7 @@ from pd_dflash.sweep.resume import (
     row_key,
     stored_cells,
 )
-from tests.sweep.engines import synthetic_result
-from tests.sweep.helpers import make_spec
-
-
-def ok_row(cell, attempt=1):
-    return Row.from_result(cell, synthetic_result(cell, 4, 0.1), attempt=attempt, sweep="t")
+from tests.sweep.helpers import make_spec, ok_row
 
 
 def test_modes_print_as_their_flags():

@@ -7,10 +7,7 @@ it exactly as SIGTERM does (exit 129)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,12 +15,13 @@ import pytest
 
 from pd_dflash.sweep.resume import current_rows
 from tests.sweep.helpers import (
-    REPO,
     is_loopback,
     listening_sockets,
     processes_using,
     spec_data,
+    start_run,
     stored_so_far,
+    wait_for_rows,
     write_spec,
 )
 
@@ -45,19 +43,9 @@ def test_a_signal_stops_the_sweep_cleanly_and_records_what_is_stored(tmp_path, r
     )
     spec_path = write_spec(tmp_path / "spec.yaml", data)
     out = tmp_path / "out"
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "pd_dflash", "run", str(spec_path), "--out", str(out), "--no-progress"],
-        cwd=REPO,
-        env={**os.environ, "RAY_TMPDIR": ray_tmp},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    driver = start_run(spec_path, out, ray_tmp)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(stored_so_far(out)) < 4 and driver.poll() is None:
-            time.sleep(0.05)
-        assert driver.poll() is None and len(stored_so_far(out)) >= 4, "the sweep did not get going in time"
+        wait_for_rows(driver, out, 4)
         ray_pids = processes_using(ray_tmp)
         sockets = listening_sockets([driver.pid, *ray_pids])
         assert len(ray_pids) >= 3 and sockets, (ray_pids, sockets)  # GCS, raylet, workers... all seen

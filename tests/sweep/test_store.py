@@ -12,7 +12,7 @@ import pytest
 
 from pd_dflash.errors import InputError
 from pd_dflash.rows import append_row
-from pd_dflash.schema import Row, Status
+from pd_dflash.schema import Status
 from pd_dflash.spec import expand
 from pd_dflash.sweep.manifest import env_summary, redact
 from pd_dflash.sweep.resume import (
@@ -24,21 +24,7 @@ from pd_dflash.sweep.resume import (
     stored_cells,
 )
 from pd_dflash.sweep.store import StorageError, SweepStore
-from tests.sweep.engines import synthetic_result
-from tests.sweep.helpers import make_spec, stored_rows
-
-
-def ok_row(cell, attempt=1):
-    return Row.from_result(cell, synthetic_result(cell, 4, 0.1), attempt=attempt, sweep="t")
-
-
-def failed_row(cell, status=Status.ERROR, attempt=1):
-    return Row.without_metrics(cell, status, "boom", attempt=attempt, sweep="t")
-
-
-@pytest.fixture
-def spec():
-    return make_spec()
+from tests.sweep.helpers import failed_row, make_spec, ok_row, stored_rows
 
 
 def test_current_row_a_final_row_is_never_superseded(spec):

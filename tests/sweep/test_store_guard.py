@@ -12,25 +12,10 @@ import pytest
 from pd_dflash.report import open_inputs
 from pd_dflash.report.aggregate import build_matrix
 from pd_dflash.rows import append_row, encode_row
-from pd_dflash.schema import Row, Status
 from pd_dflash.spec import expand
 from pd_dflash.sweep.resume import Mode, cells_to_run
 from pd_dflash.sweep.store import SET_ASIDE_FILE, StorageError, SweepStore
-from tests.sweep.engines import synthetic_result
-from tests.sweep.helpers import make_spec, stored_rows
-
-
-def ok_row(cell, attempt=1, seconds=0.1):
-    return Row.from_result(cell, synthetic_result(cell, 4, seconds), attempt=attempt, sweep="t")
-
-
-def failed_row(cell, attempt=1):
-    return Row.without_metrics(cell, Status.ERROR, "boom", attempt=attempt, sweep="t")
-
-
-@pytest.fixture
-def spec():
-    return make_spec()
+from tests.sweep.helpers import failed_row, ok_row, stored_rows
 
 
 def opened(out, spec):

@@ -5,15 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pd_dflash.errors import InputError
-from pd_dflash.schema import Row
 from pd_dflash.spec import expand
 from pd_dflash.sweep.store import Mode, SweepStore
-from tests.sweep.engines import synthetic_result
-from tests.sweep.helpers import make_spec, stored_rows
-
-
-def ok_row(cell) -> Row:
-    return Row.from_result(cell, synthetic_result(cell, 4, 0.1), sweep="t")
+from tests.sweep.helpers import make_spec, ok_row, stored_rows
 
 
 @pytest.fixture

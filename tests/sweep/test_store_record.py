@@ -8,32 +8,18 @@ import re
 
 import pytest
 
-from pd_dflash.schema import Row, Status
+from pd_dflash.schema import Status
 from pd_dflash.spec import expand
 from pd_dflash.sweep.manifest import env_summary
 from pd_dflash.sweep.resume import ARCHIVE_DIR, Mode
 from pd_dflash.sweep.store import SweepStore, utc_now
-from tests.sweep.engines import synthetic_result
-from tests.sweep.helpers import make_spec
+from tests.sweep.helpers import failed_row, make_spec, ok_row
 
 STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
 
-def ok_row(cell, attempt=1):
-    return Row.from_result(cell, synthetic_result(cell, 4, 0.1), attempt=attempt, sweep="t")
-
-
-def failed_row(cell, attempt=1, **over):
-    return Row.without_metrics(cell, Status.ERROR, "boom", attempt=attempt, sweep="t", **over)
-
-
 def record(out) -> dict:
     return json.loads((out / "sweep.json").read_text())
-
-
-@pytest.fixture
-def spec():
-    return make_spec()
 
 
 def test_utc_now_is_an_iso_stamp_in_milliseconds_with_a_z():

@@ -1,4 +1,5 @@
-"""Helpers for the MoE-Infinity contract tests: the fake package, a local tokenizer, specs and contexts."""
+"""Helpers for the MoE-Infinity contract tests: the fake package, a local tokenizer, specs, contexts, engines
+and rows."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ from pathlib import Path
 from typing import Any
 
 from pd_dflash.engine.interface import Engine, EngineContext, Refused
+from pd_dflash.engine.moe_infinity.engine import MoEInfinityEngine
 from pd_dflash.engine.moe_infinity.prompts import SYNTHETIC_TEXTS
 from pd_dflash.engine.registry import check
-from pd_dflash.schema import EngineResult
+from pd_dflash.schema import EngineResult, Row
 from pd_dflash.spec import Cell, SweepSpec, expand, parse_spec
 
 REPO = Path(__file__).resolve().parents[3]
 FAKE_ROOT = Path(__file__).resolve().parent / "fake_moe_infinity"
 MODEL = "fake/tiny-moe"
 DRAFT = "fake/tiny-moe-dflash"
+#: A short workload for the contract tests (the ``spec`` fixture of conftest.py).
+SMALL = {"workload": {"requests": 4, "warmup_rounds": 1, "max_new_tokens": 16, "prompt_tokens": 10}}
 
 
 def make_tokenizer(directory: Path) -> Path:
@@ -76,6 +80,13 @@ def cell(spec: SweepSpec, baseline: str, block_size: int | None = None, concurre
     raise LookupError((baseline, block_size, concurrency))
 
 
+def stored_row(
+    spec: SweepSpec, baseline: str, block_size: int, concurrency: int, result: EngineResult
+) -> Row:
+    """The stored row, validated exactly as the runner does it."""
+    return Row.from_result(cell(spec, baseline, block_size, concurrency), result)
+
+
 def import_fake(monkeypatch, disable: tuple[str, ...] = (), faults: tuple[str, ...] = ()):
     """A freshly imported fake package with the given surface, and the adapter's per-process guard cleared."""
     from pd_dflash.engine.moe_infinity import loading
@@ -97,3 +108,9 @@ def run(engine: Engine, cell: Cell) -> EngineResult:
         return engine.run_cell(cell)
     except Refused as refusal:
         return EngineResult(status=refusal.status, reason=refusal.reason, engine=engine.describe())
+
+
+def fake_engine(monkeypatch, spec: SweepSpec, load_group: str = "shared", disable=(), faults=()):
+    """(the freshly imported fake package, an adapter over it): ``import_fake``'s surface, then the engine."""
+    fake = import_fake(monkeypatch, disable=disable, faults=faults)
+    return fake, MoEInfinityEngine(context(spec, load_group))

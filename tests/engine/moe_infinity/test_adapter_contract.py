@@ -17,31 +17,21 @@ from pd_dflash.engine.moe_infinity import metrics as m
 from pd_dflash.engine.moe_infinity.cells import B2_UNBOUNDED_EXPERT_BYTES
 from pd_dflash.engine.moe_infinity.engine import MoEInfinityEngine
 from pd_dflash.errors import InputError
-from pd_dflash.schema import Row, Status
+from pd_dflash.schema import Status
 from pd_dflash.upstream import REQUIRED_METRICS
 from tests.engine.moe_infinity.fakes import (
     FAKE_ROOT,
     MODEL,
     REPO,
+    SMALL,
     cell,
     context,
-    import_fake,
+    fake_engine,
     make_spec,
     run,
     spec_data,
+    stored_row,
 )
-
-SMALL = {"workload": {"requests": 4, "warmup_rounds": 1, "max_new_tokens": 16, "prompt_tokens": 10}}
-
-
-@pytest.fixture
-def spec(tmp_path, tokenizer_dir):
-    return make_spec(tmp_path, tokenizer_dir, **SMALL)
-
-
-def _engine(monkeypatch, spec, load_group="shared", disable=(), faults=()):
-    fake = import_fake(monkeypatch, disable=disable, faults=faults)
-    return fake, MoEInfinityEngine(context(spec, load_group))
 
 
 def _calls(fake, name):
@@ -106,11 +96,6 @@ class Ledger:
         return max(e[3] for e in self.events if e[0] == "load") * EXPERT_NBYTES
 
 
-def _row(spec, baseline, block_size, concurrency, result):
-    """The stored row, validated exactly as the runner does it."""
-    return Row.from_result(cell(spec, baseline, block_size, concurrency), result)
-
-
 def test_adapter_module_imports_neither_moe_infinity_nor_torch():
     code = (
         "import sys; import pd_dflash.engine.moe_infinity.options, pd_dflash.engine.moe_infinity.features; "
@@ -124,7 +109,7 @@ def test_adapter_module_imports_neither_moe_infinity_nor_torch():
 
 
 def test_calls_per_configuration(monkeypatch, spec):
-    fake, engine = _engine(monkeypatch, spec)
+    fake, engine = fake_engine(monkeypatch, spec)
     load = _calls(fake, "MoE")
     assert load == [
         {
@@ -182,7 +167,7 @@ def test_calls_per_configuration(monkeypatch, spec):
 
 
 def test_b3_gets_its_own_resident_load(monkeypatch, spec):
-    fake, engine = _engine(monkeypatch, spec, load_group="resident")
+    fake, engine = fake_engine(monkeypatch, spec, load_group="resident")
     assert _calls(fake, "MoE")[0]["config"]["device_memory_ratio"] == 0.98
     assert len(_calls(fake, "DFlashSpeculator")) == 1  # B3 is speculative: the drafter on the resident load
     result = run(engine, cell(spec, "B3", 8, concurrency=1))
@@ -193,7 +178,7 @@ def test_b3_gets_its_own_resident_load(monkeypatch, spec):
 
 
 def test_concurrency_is_c_requests_in_flight(monkeypatch, spec):
-    fake, engine = _engine(monkeypatch, spec)
+    fake, engine = fake_engine(monkeypatch, spec)
     for baseline, c in (("B0", 3), ("OURS", 3), ("B0", 1), ("OURS", 1)):
         result = run(engine, cell(spec, baseline, 8 if baseline == "OURS" else None, c))
         shutdown = _calls(fake, "shutdown")[-1]
@@ -205,10 +190,10 @@ def test_concurrency_is_c_requests_in_flight(monkeypatch, spec):
 
 
 def test_full_surface_ours_row_is_ok_with_measured_metrics(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec)
+    _, engine = fake_engine(monkeypatch, spec)
     ledger = Ledger(monkeypatch)
     result = run(engine, cell(spec, "OURS", 8, 3))
-    row = _row(spec, "OURS", 8, 3, result)
+    row = stored_row(spec, "OURS", 8, 3, result)
     assert row.status is Status.OK, row.warnings
     assert row.missing_metrics() == []
     assert 1.0 < row.acceptance_length_a <= 8
@@ -242,11 +227,11 @@ def test_full_surface_ours_row_is_ok_with_measured_metrics(monkeypatch, spec):
 
 
 def test_ar_prefetcher_coverage_is_absent_not_zero(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec)
+    _, engine = fake_engine(monkeypatch, spec)
     ledger = Ledger(monkeypatch)
     for baseline, block in (("B0", None), ("B1", 4), ("B2", 4)):
         result = run(engine, cell(spec, baseline, block, 1))
-        row = _row(spec, baseline, block or 4, 1, result)
+        row = stored_row(spec, baseline, block or 4, 1, result)
         assert row.status is Status.PARTIAL
         assert row.missing_metrics() == ["route_ahead_prefetch_coverage"]
         assert m.ABSENT["route_ahead_prefetch_coverage"] in row.warnings
@@ -267,9 +252,9 @@ def test_ar_prefetcher_coverage_is_absent_not_zero(monkeypatch, spec):
     ],
 )
 def test_metric_without_accessor_is_absent_with_warning(monkeypatch, spec, disable, absent):
-    _, engine = _engine(monkeypatch, spec, disable=disable)
+    _, engine = fake_engine(monkeypatch, spec, disable=disable)
     result = run(engine, cell(spec, "OURS", 8, 1))
-    row = _row(spec, "OURS", 8, 1, result)
+    row = stored_row(spec, "OURS", 8, 1, result)
     assert row.status is Status.PARTIAL
     assert row.missing_metrics() == absent
     for metric in absent:
@@ -280,7 +265,7 @@ def test_metric_without_accessor_is_absent_with_warning(monkeypatch, spec, disab
 
 
 def test_ours_waste_without_route_ahead_byte_sizes_is_the_native_counters_timed_loop_delta(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, disable=("route_ahead_stats",))
+    _, engine = fake_engine(monkeypatch, spec, disable=("route_ahead_stats",))
     ledger = Ledger(monkeypatch)
     result = run(engine, cell(spec, "OURS", 8, 3))
     assert result.wasted_prefetch_bytes == ledger.wasted_bytes()
@@ -288,14 +273,14 @@ def test_ours_waste_without_route_ahead_byte_sizes_is_the_native_counters_timed_
 
 
 def test_kv_without_allocator_or_native_accessor_is_absent(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, disable=("kv_allocator",))
-    row = _row(spec, "B0", 4, 1, run(engine, cell(spec, "B0", None, 1)))
+    _, engine = fake_engine(monkeypatch, spec, disable=("kv_allocator",))
+    row = stored_row(spec, "B0", 4, 1, run(engine, cell(spec, "B0", None, 1)))
     assert row.kv_occupancy_bytes is None and "kv_occupancy_bytes" in row.missing_metrics()
     assert m.ABSENT["kv_occupancy_bytes"] in row.warnings
 
 
 def test_hit_rate_without_counter_reset_is_flagged(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, disable=("clear_counts", "exposed_fetch"))
+    _, engine = fake_engine(monkeypatch, spec, disable=("clear_counts", "exposed_fetch"))
     ledger = Ledger(monkeypatch)
     result = run(engine, cell(spec, "OURS", 8, 1))
     # Nothing restarts the counters: the hit rate covers every access since the load, warm-up included.
@@ -308,7 +293,7 @@ def test_hit_rate_without_counter_reset_is_flagged(monkeypatch, spec):
 
 
 def test_refusal_rule_offloaded_without_offloaded_experts(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, disable=("offload",))
+    _, engine = fake_engine(monkeypatch, spec, disable=("offload",))
     for baseline, block in (("B0", None), ("B1", 8), ("B2", 8), ("OURS", 8)):
         result = run(engine, cell(spec, baseline, block, 1))
         assert result.status is Status.REFUSED
@@ -317,14 +302,14 @@ def test_refusal_rule_offloaded_without_offloaded_experts(monkeypatch, spec):
 
 
 def test_b3_that_does_not_fit_is_unavailable_capacity(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, load_group="resident", disable=("resident_fit",))
+    _, engine = fake_engine(monkeypatch, spec, load_group="resident", disable=("resident_fit",))
     result = run(engine, cell(spec, "B3", concurrency=1))
     assert result.status is Status.UNAVAILABLE_CAPACITY
     assert "stay offloaded" in result.reason
 
 
 def test_build_without_verify_scheduler(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, disable=("verify_scheduler",))
+    _, engine = fake_engine(monkeypatch, spec, disable=("verify_scheduler",))
     for baseline in ("B2", "OURS"):
         result = run(engine, cell(spec, baseline, 8, 1))
         assert result.status is Status.BLOCKED_UNTIL_2D_SCHEDULER
@@ -339,7 +324,7 @@ def test_build_without_verify_scheduler(monkeypatch, spec):
 
 
 def test_build_without_persistent_sessions_refuses_speculative_concurrency(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, disable=("persistent_sessions",))
+    _, engine = fake_engine(monkeypatch, spec, disable=("persistent_sessions",))
     assert run(engine, cell(spec, "OURS", 8, 3)).status is Status.REFUSED
     assert run(engine, cell(spec, "B0", None, 3)).status is Status.PARTIAL  # AR batching is unaffected
     ours = run(engine, cell(spec, "OURS", 8, 1))
@@ -347,7 +332,7 @@ def test_build_without_persistent_sessions_refuses_speculative_concurrency(monke
 
 
 def test_build_without_route_ahead_switch(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, disable=("route_ahead_seam",))
+    _, engine = fake_engine(monkeypatch, spec, disable=("route_ahead_seam",))
     for baseline in ("B1", "B2"):
         result = run(engine, cell(spec, baseline, 8, 1))
         assert result.status is Status.REFUSED
@@ -356,20 +341,20 @@ def test_build_without_route_ahead_switch(monkeypatch, spec):
 
 
 def test_switch_that_does_not_take_is_caught(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, faults=("ignore_route_ahead_switch",))
+    _, engine = fake_engine(monkeypatch, spec, faults=("ignore_route_ahead_switch",))
     result = run(engine, cell(spec, "B1", 8, 1))
     assert result.status is Status.REFUSED and "did not take" in result.reason
 
 
 def test_autoregressive_fallback_is_not_reported_as_speculative(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, faults=("ar_fallback",))
+    _, engine = fake_engine(monkeypatch, spec, faults=("ar_fallback",))
     result = run(engine, cell(spec, "OURS", 8, 1))
     assert result.status is Status.REFUSED and "without a single DFlash verify round" in result.reason
 
 
 def test_block_size_above_the_drafters_is_refused(monkeypatch, tmp_path, tokenizer_dir):
     spec = make_spec(tmp_path, tokenizer_dir, block_sizes=[8, 32], **SMALL)
-    _, engine = _engine(monkeypatch, spec)
+    _, engine = fake_engine(monkeypatch, spec)
     result = run(engine, cell(spec, "OURS", 32, 1))
     assert result.status is Status.REFUSED and "drafter's block size 16" in result.reason
 
@@ -378,20 +363,20 @@ def test_model_without_draft_refuses_speculative_cells(monkeypatch, tmp_path, to
     data = spec_data(tmp_path, tokenizer_dir, **SMALL)
     data["models"][0]["draft"] = ""
     spec = make_spec(tmp_path, tokenizer_dir, models=data["models"], **SMALL)
-    _, engine = _engine(monkeypatch, spec)
+    _, engine = fake_engine(monkeypatch, spec)
     assert run(engine, cell(spec, "B1", 8, 1)).status is Status.REFUSED
     assert run(engine, cell(spec, "B0", None, 1)).status is Status.PARTIAL
 
 
 def test_h2d_window_budget_needs_a_probe(monkeypatch, tmp_path, tokenizer_dir):
     spec = make_spec(tmp_path, tokenizer_dir, engine_options={"expert_byte_budget": "h2d_window"}, **SMALL)
-    _, engine = _engine(monkeypatch, spec)
+    _, engine = fake_engine(monkeypatch, spec)
     result = run(engine, cell(spec, "OURS", 8, 1))
     assert result.status is Status.REFUSED and "expert_byte_budget" in result.reason
 
 
 def test_one_model_per_process(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec)
+    _, engine = fake_engine(monkeypatch, spec)
     with pytest.raises(RuntimeError, match="one MoE-Infinity model per runner process"):
         MoEInfinityEngine(context(spec, "resident"))
     engine.close()

@@ -12,9 +12,7 @@ from pd_dflash.engine.moe_infinity.prompts import UPSTREAM_PROMPT, build_prompts
 from pd_dflash.errors import InputError
 from pd_dflash.schema import Status
 from pd_dflash.spec import Workload
-from tests.engine.moe_infinity.fakes import cell, import_fake, make_spec, run
-
-SMALL = {"workload": {"requests": 4, "warmup_rounds": 1, "max_new_tokens": 16, "prompt_tokens": 10}}
+from tests.engine.moe_infinity.fakes import SMALL, cell, import_fake, make_spec, run
 
 
 def _tokenizer(tokenizer_dir):

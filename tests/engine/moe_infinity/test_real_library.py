@@ -11,36 +11,29 @@ import pytest
 import yaml
 
 from pd_dflash.engine.moe_infinity import metrics as m
-from pd_dflash.engine.moe_infinity.engine import MoEInfinityEngine
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import parse_spec
-from tests.engine.moe_infinity.fakes import REPO, cell, context, import_fake, make_spec, run
+from tests.engine.moe_infinity.fakes import (
+    REPO,
+    SMALL,
+    cell,
+    fake_engine,
+    import_fake,
+    make_spec,
+    run,
+    stored_row,
+)
 
-SMALL = {"workload": {"requests": 4, "warmup_rounds": 1, "max_new_tokens": 16, "prompt_tokens": 10}}
 #: The fake target's KV bytes per token: 4 layers x (K, V) x 2 KV heads x head_dim 8 x bf16.
 TOKEN_KV_BYTES = 4 * 2 * 2 * 8 * 2
-
-
-@pytest.fixture
-def spec(tmp_path, tokenizer_dir):
-    return make_spec(tmp_path, tokenizer_dir, **SMALL)
-
-
-def _engine(monkeypatch, spec, load_group="shared", disable=(), faults=()):
-    fake = import_fake(monkeypatch, disable=disable, faults=faults)
-    return fake, MoEInfinityEngine(context(spec, load_group))
-
-
-def _row(spec, baseline, block_size, concurrency, result) -> Row:
-    return Row.from_result(cell(spec, baseline, block_size, concurrency), result)
 
 
 # -- item 1: sessions feed a per-session RouteUnionCollector, not route_ahead_stats ----------------------------
 @pytest.mark.parametrize("concurrency", [1, 3])
 def test_ours_coverage_is_measured_through_the_sessions_collector(monkeypatch, spec, concurrency):
-    fake, engine = _engine(monkeypatch, spec)
+    fake, engine = fake_engine(monkeypatch, spec)
     result = run(engine, cell(spec, "OURS", 8, concurrency))
-    row = _row(spec, "OURS", 8, concurrency, result)
+    row = stored_row(spec, "OURS", 8, concurrency, result)
     sessions = [c for c in fake.CALLS if c["call"] == "ContinuousBatchingEngine"]
     assert sessions and row.status is Status.OK, (row.reason, row.warnings)
     stats = row.route_ahead
@@ -53,7 +46,7 @@ def test_ours_coverage_is_measured_through_the_sessions_collector(monkeypatch, s
 
 
 def test_route_ahead_off_is_checked_through_the_sessions_collector(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, faults=("ignore_route_ahead_switch",))
+    _, engine = fake_engine(monkeypatch, spec, faults=("ignore_route_ahead_switch",))
     for baseline in ("B1", "B2"):
         result = run(engine, cell(spec, baseline, 8, 3))
         assert result.status is Status.REFUSED and "did not take" in result.reason
@@ -61,7 +54,7 @@ def test_route_ahead_off_is_checked_through_the_sessions_collector(monkeypatch, 
 
 def test_route_ahead_that_records_nothing_fails_the_row(monkeypatch, spec):
     """gpt-oss: no MoE layer reaches the executor's route-ahead seam, so coverage would be a vacuous 1.0."""
-    _, engine = _engine(monkeypatch, spec, faults=("experts_bypass_executor",))
+    _, engine = fake_engine(monkeypatch, spec, faults=("experts_bypass_executor",))
     result = run(engine, cell(spec, "OURS", 8, 1))
     assert result.status is Status.REFUSED
     assert "route-ahead recorded nothing" in result.reason
@@ -69,7 +62,7 @@ def test_route_ahead_that_records_nothing_fails_the_row(monkeypatch, spec):
 
 # -- item 2: ArcherConfig.__post_init__ cuts 0.98 to 0.85; the row records the applied ratio -------------------
 def test_b3_is_pinned_to_its_resident_ratio(monkeypatch, spec):
-    fake, engine = _engine(monkeypatch, spec, load_group="resident")
+    fake, engine = fake_engine(monkeypatch, spec, load_group="resident")
     (load,) = [c for c in fake.CALLS if c["call"] == "MoE"]
     assert load["config"]["kv_cache_memory_ratio"] == pytest.approx(0.02)
     assert load["applied"]["device_memory_ratio"] == pytest.approx(0.98)
@@ -81,7 +74,7 @@ def test_b3_is_pinned_to_its_resident_ratio(monkeypatch, spec):
 
 def test_a_ratio_the_library_did_not_apply_is_refused_with_the_reason(monkeypatch, tmp_path, tokenizer_dir):
     spec = make_spec(tmp_path, tokenizer_dir, memory={"resident_memory_ratio": 1.0}, **SMALL)
-    fake, engine = _engine(monkeypatch, spec, load_group="resident")
+    fake, engine = fake_engine(monkeypatch, spec, load_group="resident")
     (load,) = [c for c in fake.CALLS if c["call"] == "MoE"]
     result = run(engine, cell(spec, "B3", concurrency=1))
     assert result.status is Status.REFUSED
@@ -90,7 +83,7 @@ def test_a_ratio_the_library_did_not_apply_is_refused_with_the_reason(monkeypatc
 
 
 def test_build_without_the_kv_split_gets_no_kv_ratio(monkeypatch, spec):
-    fake, engine = _engine(monkeypatch, spec, load_group="resident", disable=("kv_ratio_field",))
+    fake, engine = fake_engine(monkeypatch, spec, load_group="resident", disable=("kv_ratio_field",))
     (load,) = [c for c in fake.CALLS if c["call"] == "MoE"]
     assert "kv_cache_memory_ratio" not in load["config"]
     assert run(engine, cell(spec, "B3", concurrency=1)).status is Status.PARTIAL
@@ -107,22 +100,22 @@ def test_build_without_the_kv_split_gets_no_kv_ratio(monkeypatch, spec):
     ],
 )
 def test_a_wrappers_zero_without_a_native_getter_is_absent(monkeypatch, spec, disable, metric):
-    _, engine = _engine(monkeypatch, spec, disable=disable)
-    row = _row(spec, "B0", 4, 1, run(engine, cell(spec, "B0", concurrency=1)))
+    _, engine = fake_engine(monkeypatch, spec, disable=disable)
+    row = stored_row(spec, "B0", 4, 1, run(engine, cell(spec, "B0", concurrency=1)))
     assert getattr(row, metric) is None and metric in row.missing_metrics()
     assert any(w.startswith(metric) and "0.0" in w and "native" in w for w in row.warnings), row.warnings
 
 
 def test_exposed_fetch_without_a_fetch_timer_is_absent(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, disable=("exposed_fetch",))
+    _, engine = fake_engine(monkeypatch, spec, disable=("exposed_fetch",))
     result = run(engine, cell(spec, "B0", concurrency=1))
     assert result.cost_terms.exposed_fetch_seconds is None
     assert any(w.startswith("exposed_fetch_seconds absent") for w in result.warnings), result.warnings
 
 
 def test_an_implausible_native_zero_is_flagged(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, faults=("hit_counters_stalled",))
-    row = _row(spec, "B0", 4, 1, run(engine, cell(spec, "B0", concurrency=1)))
+    _, engine = fake_engine(monkeypatch, spec, faults=("hit_counters_stalled",))
+    row = stored_row(spec, "B0", 4, 1, run(engine, cell(spec, "B0", concurrency=1)))
     assert row.expert_cache_hit_rate is None
     flagged = [w for w in row.warnings if w.startswith("expert_cache_hit_rate")]
     assert flagged and "implausible" in flagged[0], row.warnings
@@ -130,14 +123,14 @@ def test_an_implausible_native_zero_is_flagged(monkeypatch, spec):
 
 def test_native_zero_that_is_plausible_is_kept(monkeypatch, spec):
     """B3 on the resident load fetches nothing on demand: an exposed fetch time of 0.0 is the measurement."""
-    _, engine = _engine(monkeypatch, spec, load_group="resident")
+    _, engine = fake_engine(monkeypatch, spec, load_group="resident")
     result = run(engine, cell(spec, "B3", concurrency=1))
     assert result.cost_terms.exposed_fetch_seconds == 0.0
 
 
 # -- item 4: speculative sequences keep their target KV in a private cache ---------------------------------------
 def test_speculative_kv_counts_the_sessions_private_caches(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec)
+    _, engine = fake_engine(monkeypatch, spec)
     workload = spec.workload
     ours = run(engine, cell(spec, "OURS", 8, 1))
     assert ours.status is Status.OK, ours.warnings
@@ -148,7 +141,7 @@ def test_speculative_kv_counts_the_sessions_private_caches(monkeypatch, spec):
 
 
 def test_speculative_kv_that_cannot_be_read_is_labelled_prompt_only(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, disable=("verify_scheduler",))
+    _, engine = fake_engine(monkeypatch, spec, disable=("verify_scheduler",))
     b1 = run(engine, cell(spec, "B1", 8, 1))  # whole-request generate: the session is internal to the library
     assert b1.engine["configuration"]["serving_path"] == "spec_whole_request"
     assert any(w.startswith("kv_occupancy_bytes") and "prompt" in w for w in b1.warnings), b1.warnings
@@ -156,7 +149,7 @@ def test_speculative_kv_that_cannot_be_read_is_labelled_prompt_only(monkeypatch,
 
 # -- item 5: only c = 1 works on a pre-#173 build --------------------------------------------------------------
 def test_pre_173_build_is_detected_and_named(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, disable=("persistent_sessions",))
+    _, engine = fake_engine(monkeypatch, spec, disable=("persistent_sessions",))
     assert engine.describe()["serving_generation"] == "pre-#173"
     refused = run(engine, cell(spec, "OURS", 8, 3))
     assert refused.status is Status.REFUSED
@@ -166,7 +159,7 @@ def test_pre_173_build_is_detected_and_named(monkeypatch, spec):
 
 
 def test_post_173_build_keeps_c_sessions_in_flight(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec)
+    _, engine = fake_engine(monkeypatch, spec)
     assert engine.describe()["serving_generation"] == "post-#173"
     result = run(engine, cell(spec, "OURS", 8, 3))
     assert result.engine["peak_speculative_sessions"] == 3
@@ -174,7 +167,7 @@ def test_post_173_build_keeps_c_sessions_in_flight(monkeypatch, spec):
 
 # -- item 6: a standard step that runs the batch through the model more than once -------------------------------
 def test_standard_step_that_reexecutes_the_batch_is_flagged(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec, faults=("standard_step_reexecutes",))
+    _, engine = fake_engine(monkeypatch, spec, faults=("standard_step_reexecutes",))
     result = run(engine, cell(spec, "B0", concurrency=3))
     forwards = result.engine["model_runner"]
     assert forwards["rows_per_emitted_token"] == pytest.approx(3.0)
@@ -182,7 +175,7 @@ def test_standard_step_that_reexecutes_the_batch_is_flagged(monkeypatch, spec):
 
 
 def test_standard_step_that_runs_once_is_not_flagged(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec)
+    _, engine = fake_engine(monkeypatch, spec)
     result = run(engine, cell(spec, "B0", concurrency=3))
     assert result.engine["model_runner"]["rows_per_emitted_token"] == pytest.approx(1.0)
     assert not [w for w in result.warnings if "model_runner" in w]
@@ -197,7 +190,7 @@ def test_phase_a_spec_sets_no_variable_without_a_run_time_effect():
 def test_build_time_and_unread_variables_are_flagged(monkeypatch, spec):
     monkeypatch.setenv("MOE_ENABLE_SM120", "1")
     monkeypatch.setenv("MOE_PREFETCH_ISSUE_MODE", "cpp-batched")
-    _, engine = _engine(monkeypatch, spec)
+    _, engine = fake_engine(monkeypatch, spec)
     facts = engine.describe()
     assert "MOE_ENABLE_SM120" not in facts["import_environment"]
     assert set(facts["ineffective_environment"]) == {"MOE_ENABLE_SM120", "MOE_PREFETCH_ISSUE_MODE"}
@@ -224,7 +217,7 @@ def test_tokenizer_trusts_remote_code_only_when_the_spec_says_so(monkeypatch, tm
         return original(*args, **kwargs)
 
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
-    _engine(monkeypatch, spec)
+    fake_engine(monkeypatch, spec)
     assert seen == [bool(trust)]
 
 
@@ -232,7 +225,7 @@ def test_tokenizer_trusts_remote_code_only_when_the_spec_says_so(monkeypatch, tm
 def test_rows_without_route_ahead_carry_no_route_ahead_counts(monkeypatch, spec, baseline):
     """B0 (AR) and B3 (speculative, every expert resident) prefetch nothing by route-ahead: no counts (issue 12).
     B3's verify seam is observed only to show that nothing was predicted there."""
-    _, engine = _engine(monkeypatch, spec, load_group="resident" if baseline == "B3" else "shared")
+    _, engine = fake_engine(monkeypatch, spec, load_group="resident" if baseline == "B3" else "shared")
     measured = cell(spec, baseline, concurrency=1)
     row = Row.from_result(measured, run(engine, measured))
     assert row.status is Status.PARTIAL, row.reason
@@ -245,7 +238,7 @@ def test_rows_without_route_ahead_carry_no_route_ahead_counts(monkeypatch, spec,
 
 
 def test_byte_counts_are_integers(monkeypatch, spec):
-    _, engine = _engine(monkeypatch, spec)
+    _, engine = fake_engine(monkeypatch, spec)
     result = run(engine, cell(spec, "OURS", 8, 1))
     assert isinstance(result.cost_terms.wasted_prefetch_bytes, int)
     assert all(isinstance(result.route_ahead[k], int) for k in result.route_ahead if k.endswith("_bytes"))

@@ -21,7 +21,7 @@ from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.link import HostLink
 from pd_dflash.engine.reference.metrics import experts_moved_per_token
 from pd_dflash.engine.reference.offload import OffloadRuntime
-from tests.engine.reference.test_expert_cache import store
+from tests.engine.reference.helpers import store
 
 CPU = torch.device("cpu")
 

@@ -8,7 +8,7 @@ import pytest
 from pd_dflash.baselines import ORDER, configuration
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import expand
-from tests.engine.reference.test_engine import make_engine, make_spec
+from tests.engine.reference.helpers import make_engine, make_spec
 
 SCHEDULER_KIND = {"all": "none", "token_deficit": "token_deficit", "two_dim_deficit": "two_dim_deficit"}
 

@@ -4,35 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pd_dflash.engine.interface import EngineContext, Refused
-from pd_dflash.engine.registry import engine_class
+from pd_dflash.engine.interface import Refused
 from pd_dflash.schema import Row, Status
-from pd_dflash.spec import expand, parse_spec
-
-WORKLOAD = {"requests": 4, "warmup_rounds": 1, "max_new_tokens": 12, "prompt_tokens": 12, "seed": 7}
-
-
-def make_spec(baselines=("B0", "B3"), concurrency=(1, 4), memory=None, options=None, model=None, **extra):
-    return parse_spec(
-        {
-            "name": "engine-test",
-            "engine": "reference",
-            "models": [model or {"id": "micro", "preset": "micro", "engine_options": options or {}}],
-            "baselines": list(baselines),
-            "block_sizes": [8],
-            "concurrency": list(concurrency),
-            "repeats": 1,
-            "workload": WORKLOAD,
-            "memory": {"expert_cache_fraction": 0.25} if memory is None else memory,
-            "hardware": {"device": "cpu", "cpus_per_runner": 1},
-            **extra,
-        }
-    )
-
-
-def make_engine(spec):
-    ctx = EngineContext.for_model(spec, device="cpu")
-    return engine_class(spec.engine)(ctx)
+from pd_dflash.spec import expand
+from tests.engine.reference.helpers import WORKLOAD, make_engine, make_spec
 
 
 @pytest.fixture(scope="module")

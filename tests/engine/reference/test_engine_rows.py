@@ -12,7 +12,7 @@ from pd_dflash.report import effective_gates, open_inputs, write_outputs
 from pd_dflash.rows import ROWS_FILE, append_row
 from pd_dflash.schema import Row
 from pd_dflash.spec import expand
-from tests.engine.reference.test_engine import make_engine, make_spec
+from tests.engine.reference.helpers import make_engine, make_spec
 
 BYTE_METRICS = ("wasted_prefetch_bytes", "expert_occupancy_bytes", "kv_occupancy_bytes")
 BYTE_COST_TERMS = ("wasted_prefetch_bytes", "h2d_bytes", "h2d_transfers")

@@ -18,8 +18,7 @@ from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.link import HostLink
 from pd_dflash.engine.reference.route_prefetch import IssueQueue
 from tests.engine.reference.eviction_scan import ScanCache, choose, scan_replay
-from tests.engine.reference.test_expert_cache import store
-from tests.engine.reference.test_link import SimClock
+from tests.engine.reference.helpers import SimClock, store
 
 CPU = torch.device("cpu")
 LAYERS, EXPERTS = 4, 6

@@ -10,21 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pd_dflash.engine.reference.expert_cache import ExpertCache
-from pd_dflash.engine.reference.expert_store import HostExpertStore
 from pd_dflash.engine.reference.link import HostLink
+from tests.engine.reference.helpers import store
 
 CPU = torch.device("cpu")
-
-
-def store(storage="fp32", layers=2, experts=4, bias=False):
-    torch.manual_seed(0)
-    tensors = {}
-    for layer in range(layers):
-        parts = [torch.randn(experts, 6, 3), torch.randn(experts, 3, 5)]
-        if bias:
-            parts.append(torch.randn(experts, 6))
-        tensors[layer] = parts
-    return HostExpertStore(tensors, storage=storage)
 
 
 @pytest.mark.parametrize(

@@ -2,52 +2,14 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Block, Request, TargetModel
-from pd_dflash.engine.reference.expert_cache import ExpertCache
+from pd_dflash.engine.reference.decode import Block, Request
 from pd_dflash.engine.reference.families import family_of
-from pd_dflash.engine.reference.link import HostLink
-from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
-from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
-from pd_dflash.engine.reference.serving import run_requests
-from tests.engine.reference.conftest import eager_copy, tiny_model
+from tests.engine.reference.helpers import eager_copy, generate, offloaded, prompts_for, runtime, tiny_model
 
 CPU = torch.device("cpu")
-
-
-def offloaded(model, storage="fp32"):
-    model = copy.deepcopy(model)
-    family = family_of(model.config)
-    store = install_offload(model, family, storage, pin=False)
-    return TargetModel(model, family, CPU), store
-
-
-def runtime(target, store, *, fraction=None, policy="lru", gbps=None):
-    if fraction is None:
-        cache = ExpertCache(store, store.total_bytes, CPU, torch.float32)
-    else:
-        link = HostLink(gbps)
-        cache = ExpertCache(
-            store, int(fraction * store.total_bytes), CPU, torch.float32, policy=policy, link=link
-        )
-    k = target.model.config.num_experts_per_tok
-    prefetcher = ActivationAwarePrefetcher(store.layer_ids, store.num_experts, k, issue=fraction is not None)
-    rt = OffloadRuntime(store, cache, prefetcher)
-    rt.attach(target.model)
-    return rt
-
-
-def generate(target, rt, prompts, max_new, concurrency=1):
-    requests = [Request(i, p, max_new) for i, p in enumerate(prompts)]
-    rounds = run_requests(
-        target, requests, concurrency=concurrency, decoding=AutoregressiveDecoding(), hooks=rt
-    )
-    rt.cache.drain()
-    return [r.output for r in requests], rounds
 
 
 def hf_generate(model, prompts, max_new):
@@ -57,11 +19,6 @@ def hf_generate(model, prompts, max_new):
         ids = ref.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new)
         out.append(ids[0, len(p) :].tolist())
     return out
-
-
-def prompts_for(vocab, n=3, length=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (length + i,), generator=g).tolist() for i in range(n)]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])

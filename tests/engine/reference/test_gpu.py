@@ -16,8 +16,7 @@ from pd_dflash.engine.registry import engine_class
 from pd_dflash.errors import InputError
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import expand, parse_spec
-from tests.engine.reference.conftest import record_figure
-from tests.engine.reference.test_engine import WORKLOAD, make_spec
+from tests.engine.reference.helpers import WORKLOAD, make_spec, record_figure
 
 pytestmark = [
     pytest.mark.gpu,

@@ -21,7 +21,7 @@ from pd_dflash.engine.reference.cuda_link import CudaLink
 from pd_dflash.engine.reference.expert_cache import ExpertCache
 from pd_dflash.engine.reference.expert_store import HostArena, HostExpertStore
 from pd_dflash.engine.reference.spans import union_seconds
-from tests.engine.reference.conftest import record_figure
+from tests.engine.reference.helpers import record_figure
 
 pytestmark = [
     pytest.mark.gpu,

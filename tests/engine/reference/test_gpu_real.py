@@ -10,7 +10,7 @@ from pd_dflash.engine.interface import EngineContext
 from pd_dflash.engine.registry import engine_class
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import expand
-from tests.engine.reference.test_engine import make_spec
+from tests.engine.reference.helpers import make_spec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

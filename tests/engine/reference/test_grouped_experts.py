@@ -17,8 +17,7 @@ from pd_dflash.engine.reference.grouped import GATHERED_BMM, GROUPED_MM, LayerCo
 from pd_dflash.engine.reference.link import HostLink
 from pd_dflash.engine.reference.offload import OffloadRuntime
 from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
-from tests.engine.reference.conftest import eager_copy, tiny_model
-from tests.engine.reference.test_generation import generate, offloaded, prompts_for, runtime
+from tests.engine.reference.helpers import eager_copy, generate, offloaded, prompts_for, runtime, tiny_model
 
 CPU = torch.device("cpu")
 

@@ -12,7 +12,7 @@ from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Block, Req
 from pd_dflash.engine.reference.families import family_of
 from pd_dflash.engine.reference.serving import RoundHooks, run_requests
 from pd_dflash.engine.reference.speculative import EarlyExitDrafter, SpeculativeDecoding
-from tests.engine.reference.conftest import tiny_model
+from tests.engine.reference.helpers import tiny_model
 
 CPU = torch.device("cpu")
 FAMILIES = ["qwen3_moe", "gpt_oss", "mixtral"]

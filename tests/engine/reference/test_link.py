@@ -12,23 +12,9 @@ import pytest
 import torch
 
 from pd_dflash.engine.reference.link import HostLink
+from tests.engine.reference.helpers import SimClock
 
 GBPS = 1000 / 1e9  # 1000 B per second
-
-
-class SimClock:
-    """A host clock the test moves by hand; ``sleep`` advances it (the link sleeps while compute waits)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.reads = 0
-
-    def __call__(self) -> float:
-        self.reads += 1
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def link(window=2):

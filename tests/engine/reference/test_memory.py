@@ -12,7 +12,7 @@ from pd_dflash.engine.reference.expert_store import HostArena, HostExpertStore
 from pd_dflash.engine.reference.memory import DEVICE_HEADROOM_BYTES, host_available_bytes
 from pd_dflash.schema import Status
 from pd_dflash.spec import expand
-from tests.engine.reference.test_engine import make_spec
+from tests.engine.reference.helpers import make_spec
 
 
 def tensors(layers=2, experts=4):
@@ -121,7 +121,7 @@ def test_a_runner_needs_its_experts_as_stored_and_its_other_weights_in_host_memo
     from pd_dflash.engine.reference.checkpoints.tiny import materialise
     from pd_dflash.engine.reference.host_memory import runner_host_memory_bytes
     from pd_dflash.spec import ModelSpec
-    from tests.engine.reference.conftest import tiny_model
+    from tests.engine.reference.helpers import tiny_model
 
     ckpt = tmp_path / "ckpt"
     tiny_model("qwen3_moe").save_pretrained(str(ckpt))  # fp32 weights

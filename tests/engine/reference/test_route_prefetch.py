@@ -11,7 +11,7 @@ from pd_dflash.engine.reference.families import family_of
 from pd_dflash.engine.reference.link import HostLink
 from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
 from pd_dflash.engine.reference.route_prefetch import RouteAheadPrefetcher
-from tests.engine.reference.conftest import tiny_model
+from tests.engine.reference.helpers import tiny_model
 
 CPU = torch.device("cpu")
 

@@ -14,8 +14,7 @@ from pd_dflash.engine.reference.link import HostLink
 from pd_dflash.engine.reference.serving import RoundRecord
 from pd_dflash.engine.reference.spans import SpanUnion, merge, subtract, union_seconds
 from pd_dflash.engine.reference.transfer_overlap import transfer_overlap
-from tests.engine.reference.test_expert_cache import store
-from tests.engine.reference.test_link import SimClock
+from tests.engine.reference.helpers import SimClock, store
 
 
 def grid_cells(intervals):
