@@ -23,7 +23,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PD_DFLASH_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "pd-dflash"))
 
-from engine_ar import engine_for  # this directory is on sys.path when run as a script
+
+def traced_engine(spec):
+    """The reference engine for ``spec``'s first model, keeping each cell's verify access trace.
+
+    The cell's runtime records the trace, its timeline and the cache's slots for every cell (they are not part
+    of a row); this subclass keeps them when the timed loop ends, before the runtime closes."""
+    from pd_dflash.engine.interface import EngineContext
+    from pd_dflash.engine.reference.engine import ReferenceEngine
+
+    if spec.engine != "reference":
+        raise SystemExit(
+            f"benchmarks/cache_policy.py replays the reference engine's trace, not {spec.engine!r}"
+        )
+    if not callable(getattr(ReferenceEngine, "_timed", None)):
+        raise SystemExit(
+            "benchmarks/cache_policy.py: ReferenceEngine has no _timed(cell, setup) any more; "
+            "update traced_engine() to the engine's timed-loop seam"
+        )
+
+    class TracedEngine(ReferenceEngine):
+        recorded: tuple[list, int, list] | None = None
+
+        def _timed(self, cell, setup):
+            out = super()._timed(cell, setup)
+            runtime = setup.runtime
+            self.recorded = (runtime.trace, runtime.cache.num_slots, runtime.timeline)
+            return out
+
+    return TracedEngine(EngineContext.for_model(spec, device="cpu"))
 
 
 def record(spec_path: str, baseline: str, block_size: int, concurrency: int, eviction: str | None) -> dict:
@@ -47,10 +75,10 @@ def record(spec_path: str, baseline: str, block_size: int, concurrency: int, evi
     ]
     if not cells:
         raise SystemExit(f"no {baseline} cell at B={block_size}, c={concurrency} in {spec_path}")
-    engine = engine_for(spec)
+    engine = traced_engine(spec)
     try:
         row = Row.from_result(cells[0], engine.run_cell(cells[0]))
-        trace, slots, timeline = engine.last_trace
+        trace, slots, timeline = engine.recorded
         rate = engine.link_bytes_per_second(cells[0])
     finally:
         engine.close()

@@ -238,6 +238,8 @@ class Capture:
 
     seconds: float = 0.0
     rounds: list = field(default_factory=list)
+    #: The timed loop's verify access trace, as the cell's runtime recorded it (``OffloadRuntime.trace``).
+    trace: list = field(default_factory=list)
     ops: Any = None  # OpCounter
     cuda_syncs: list[float] = field(default_factory=list)
     dequantise: list[float] | None = None
@@ -476,6 +478,7 @@ def timed_loop(engine, device, **how):
         with measured(device, **how) as cap:
             rounds, seconds = original(cell, setup)
         cap.rounds = rounds
+        cap.trace = setup.runtime.trace
         box["capture"] = cap
         return rounds, seconds
 
@@ -497,11 +500,9 @@ def engine_row(engine, cell, device, args, *, mxfp4: bool) -> dict[str, Any]:
     timing = box["capture"]
     row.update(_timing_figures(result, timing))
     if cell.baseline == "OURS":
-        trace = getattr(engine, "last_trace", None)
-        if trace:
-            predicted = [sum(len(p) for _layer, _needed, p in rnd) for rnd in trace[0]]
-            if predicted:
-                row["predicted_experts_per_round_median"] = statistics.median(predicted)
+        predicted = [sum(len(p) for _layer, _needed, p in rnd) for rnd in timing.trace]
+        if predicted:
+            row["predicted_experts_per_round_median"] = statistics.median(predicted)
     with timed_loop(engine, device, count=True, dequantise=mxfp4) as box:
         counted_result = engine.run_cell(cell)
     moe_layers = int(engine.describe()["moe_layers"])

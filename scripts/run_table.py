@@ -1,10 +1,12 @@
 """Print a sweep's rows as the Markdown table docs/reference-engine.md records for `make run`.
 
     python scripts/run_table.py results/cpu_reference/rows.jsonl
+    python scripts/run_table.py runs/engine_spec/rows.jsonl --model mini-gpt-oss-full-width
 
 One line per row, sorted by block size, concurrency and the configuration table's order: tokens/s, τ, the
 prefetcher's recall (the headline coverage), the in-time coverage, experts moved per generated token, host syncs
-per generated token (when the row has them) and the output digest. Torch-free.
+per generated token (when the row has them) and the output digest; ``--model`` keeps one model's rows (a spec
+with several). Torch-free.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rows", type=Path)
+    ap.add_argument("--model", default=None, help="only this model's rows")
     args = ap.parse_args(argv)
     rows = [json.loads(line) for line in args.rows.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if args.model in (None, r["model"])]
     print(table(rows))
     return 0
 

@@ -1,6 +1,7 @@
 """The collector actor: the only writer of the sweep directory, pinned to the head box.
 
-It validates each row against the row contract, removes the spec's env values from what it stores, appends the
+It takes each row as the runner or the driver validated it (a ``Row``, never re-validated: neither hands it
+anything unchecked), removes the spec's env values from what it stores, appends the
 row durably (``SweepStore.add``: flush + fsync, a duplicate of a stored cell is ignored), appends events, and
 rewrites the result matrices every N rows or T seconds, and at the end. A failed write breaks the store: every
 later ``add`` raises ``StorageError``, which the driver takes as the order to stop. Ray restarts the collector if
@@ -18,7 +19,7 @@ from typing import Any
 
 import ray
 
-from pd_dflash.schema import parse_row
+from pd_dflash.schema import Row
 from pd_dflash.spec import SweepSpec
 from pd_dflash.sweep.manifest import redact
 from pd_dflash.sweep.resume import Mode
@@ -30,6 +31,8 @@ HEAD_RESOURCE = "node:__internal_head__"
 MIN_MATRIX_INTERVAL_S = 10.0
 #: ...nor more often than this many times the last rewrite took (the report of a large sweep takes seconds).
 MATRIX_COST_FACTOR = 10.0
+#: The row fields an engine or a runner may echo an environment value into; they are redacted before storing.
+REDACTED_FIELDS = frozenset({"engine", "runner", "reason", "warnings"})
 #: Files the collector creates are 0640, its directories 0750.
 UMASK = 0o027
 
@@ -68,17 +71,14 @@ class Collector:
         """Lock and load OUT (check the fingerprint, archive on --restart, repair what a crash left)."""
         return self._ensure_open()
 
-    def add(self, row: dict[str, Any], error_text: str | None = None) -> bool:
-        """Validate and store one row; False when it duplicates a stored one. Raises ``StorageError``."""
+    def add(self, row: Row, error_text: str | None = None) -> bool:
+        """Redact and store one validated row; False when it duplicates a stored one. Raises ``StorageError``."""
         self._ensure_open()
         if self.store.broken:
             raise StorageError(self.store.broken)
-        row = {
-            **row,
-            **{k: redact(row[k], self.env) for k in ("engine", "runner", "reason", "warnings") if k in row},
-        }
-        parsed = parse_row(row, where=f"row of cell {row.get('cell_id')}")
-        stored = self.store.add(parsed, redact(error_text, self.env))
+        if not isinstance(row, Row):
+            raise TypeError(f"the collector stores validated rows (schema.Row), got {type(row).__name__}")
+        stored = self.store.add(self._redacted(row), redact(error_text, self.env))
         if stored:
             self._since_matrix += 1
         elapsed = time.monotonic() - self._matrix_at
@@ -88,6 +88,12 @@ class Collector:
         ):
             self._write_matrices(plots=False)
         return stored
+
+    def _redacted(self, row: Row) -> Row:
+        """``row`` with the spec's env values replaced in the fields that may echo them, in their stored (JSON)
+        form: redaction only replaces text, so the row stays what the runner validated."""
+        echoed = row.model_dump(mode="json", include=REDACTED_FIELDS)
+        return row.model_copy(update={k: redact(v, self.env) for k, v in echoed.items()})
 
     def event(self, event: dict[str, Any]) -> str | None:
         """Append an event (runner death, requeue, timeout, ...) to events.jsonl; returns what was repaired

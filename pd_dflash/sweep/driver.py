@@ -107,7 +107,7 @@ class SweepDriver:
                 row = Row.without_metrics(
                     cell, Status.REFUSED, reason, attempt=attempt, sweep=self.spec.name, finished_at=utc_now()
                 )
-                self.sink.store(row.to_json_dict(), None)
+                self.sink.store(row, None)
             else:
                 self.scheduler.add(Task(cell=cell, attempt=attempt))
         self.todo = len(todo)

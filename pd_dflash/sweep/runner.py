@@ -5,6 +5,11 @@ switch kills the process (GPU memory and engine state are only truly freed with 
 set before the engine is imported, the device is checked against the spec's hardware (NVML), and every row
 records which runner, device and software measured it. An engine exception becomes an ERROR row with the
 traceback; the runner itself only dies when its process does.
+
+The runner is where a row is validated: it is the one place that receives untrusted data (what an engine,
+possibly a custom one, returned), and the only one that can still turn a result the row contract or JSON cannot
+carry into this cell's ERROR row. The validated ``Row`` then crosses Ray as it is (pickled), and the driver and
+the collector take it as validated (docs/orchestrator.md, "Runners").
 """
 
 from __future__ import annotations
@@ -119,7 +124,8 @@ class Runner:
         return {"load_seconds": seconds, "runner": dict(self.info)}
 
     def run(self, cell: Cell, attempt: int) -> dict[str, Any]:
-        """Measure one cell; returns the stored form of its row (an ERROR row when the engine raised)."""
+        """Measure one cell; returns its validated row (an ERROR row when the engine raised or returned what a
+        row cannot hold)."""
         if self.engine is None:
             raise RuntimeError("run() before load()")
         self.cells_served += 1
@@ -141,13 +147,14 @@ class Runner:
             seconds = time.perf_counter() - t0
             result = result.model_copy(update={"engine": {**self.describe, **result.engine}})
             row = Row.from_result(cell, result, **bookkeeping, finished_at=utc_now())
+            row.to_json_dict()  # facts JSON cannot carry fail here, as this cell's error, not in the collector
         except Exception as exc:
             seconds = time.perf_counter() - t0
             error_text = traceback.format_exc()
             reason = short(f"{type(exc).__name__}: {exc}")
             row = Row.without_metrics(cell, Status.ERROR, reason, **bookkeeping, finished_at=utc_now())
         return {
-            "row": row.to_json_dict(),
+            "row": row,
             "error": error_text,
             "seconds": seconds,
             "started": wall0,

@@ -142,10 +142,11 @@ class Sink:
                 time.sleep(0.5)
 
     # -- rows -----------------------------------------------------------------------------------------------
-    def store(self, row: dict[str, Any], error_text: str | None) -> None:
+    def store(self, row: Row, error_text: str | None) -> None:
+        """Send a validated row to the collector (Ray pickles the model; nobody validates it again)."""
         self.adds.append(self.collector.add.remote(row, error_text))
         self.finished += 1
-        if Status(row["status"]) in FAILED_STATUSES:
+        if row.status in FAILED_STATUSES:
             self.failed += 1
 
     def fail(self, task: Task, status: Status, reason: str, detail: str, slot: Slot | None) -> None:
@@ -160,7 +161,7 @@ class Sink:
             runner=runner,
             finished_at=utc_now(),
         )
-        self.store(row.to_json_dict(), detail)
+        self.store(row, detail)
 
     def record(self, slot: Slot, call: Call, out: dict[str, Any]) -> None:
         """Store what a runner measured, and learn from its duration."""

@@ -133,7 +133,6 @@ class ReferenceEngine(Engine):
         # (drafter, card or facts): a preset's trained drafter, or the published models[].draft of a checkpoint;
         # loaded at the first speculative cell.
         self._dflash = None
-        self.last_trace: tuple[list, int, list] | None = None
         self.load_seconds = time.perf_counter() - start
 
     def _offload(self, model) -> HostExpertStore:
@@ -200,8 +199,6 @@ class ReferenceEngine(Engine):
         with self._setup(cell, capacity) as setup:
             warm_seconds = self._warm_up(cell, setup)
             rounds, timed_seconds = self._timed(cell, setup)
-            #: The timed loop's verify access trace and cache slots (``benchmarks/cache_policy.py``).
-            self.last_trace = (setup.runtime.trace, setup.runtime.cache.num_slots, setup.runtime.timeline)
             measured = self._measurement(setup, rounds, warm_seconds, timed_seconds)
             result = measurement.engine_result(cell_trace(measured), self.ctx.slo)
             result.warnings.extend((setup.drafter_facts or {}).get("warnings", []))
