@@ -15,7 +15,17 @@ from pd_dflash.engine.reference.families import gpt_oss, mixtral, qwen3_moe
 from pd_dflash.engine.reference.families.base import MoEFamily
 from pd_dflash.errors import InputError
 
-__all__ = ["FAMILIES", "MoEFamily", "checkpoint_family", "expert_layout", "family_named", "family_of"]
+__all__ = [
+    "ARCHITECTURES",
+    "FAMILIES",
+    "FAMILY_FILES",
+    "MoEFamily",
+    "checkpoint_family",
+    "expert_layout",
+    "family_named",
+    "family_of",
+    "num_experts",
+]
 
 #: Every family, by transformers' ``model_type`` (in the order the errors list them).
 FAMILIES: dict[str, MoEFamily] = {f.name: f for f in (qwen3_moe.FAMILY, mixtral.FAMILY, gpt_oss.FAMILY)}

@@ -23,6 +23,10 @@ from pd_dflash.errors import InputError
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
+
+    from pd_dflash.engine.reference.families.base import ExpertFn
+    from pd_dflash.engine.reference.grouped import GroupedFn
 
 _SPECIALS = ["<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|return|>", "<|channel|>"]
 HARMONY_TEMPLATE = (
@@ -63,7 +67,7 @@ class GptOss(MoEFamily):
     router_tensors = ("mlp.router.weight", "mlp.router.bias")
     tiny_name = "tiny-real-gpt-oss"
 
-    def expert_fn(self, experts):
+    def expert_fn(self, experts: nn.Module) -> ExpertFn:
         import torch
 
         alpha, limit = float(experts.alpha), float(experts.limit)
@@ -79,7 +83,7 @@ class GptOss(MoEFamily):
 
         return gpt_oss_expert
 
-    def grouped_fn(self, experts):
+    def grouped_fn(self, experts: nn.Module) -> GroupedFn:
         import torch
 
         alpha, limit = float(experts.alpha), float(experts.limit)
