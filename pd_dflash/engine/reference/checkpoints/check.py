@@ -1,8 +1,9 @@
 """Checking a checkpoint before anything loads it, without torch: the config's architecture, every shard the
 index names, every expert tensor in its expected shape and dtype (MXFP4 blocks *and* scales), the non-expert
 tensors, and a chat template where the target needs one. ``pd-dflash plan`` runs these on the driver
-(``spec_check.check_spec``); the engine runs :func:`check_checkpoint` before it allocates anything. Every problem is an
-:class:`~pd_dflash.errors.InputError` naming the file and the field or tensor.
+(``spec_check.check_spec``); the engine runs :func:`check_checkpoint` before it allocates anything. Every
+problem is an :class:`~pd_dflash.errors.InputError` naming the file and the field or tensor. Which tensors a
+checkpoint must hold is its family's to say (``families/``); this module reads any family's layout.
 """
 
 from __future__ import annotations
