@@ -4,7 +4,7 @@ and OURS, in one run; plus upstream's BM2 (saturated prefetch issuance) for this
 
 Checkpoints: tiny math (hidden 64, random weights) at the real routing geometry, in the published layouts, written
 once into the engine cache (``$PD_DFLASH_CACHE/engine-overhead/``) by the project's own writers
-(``checkpoints/tiny.py``, ``dflash/tiny.py``):
+(each family's ``write_tiny`` in ``families/``, ``dflash/tiny.py``):
 
 - ``qwen3-coder-30b-a3b``: Qwen3-MoE hub layout in bf16, 48 layers × 128 experts, top-8, moe_intermediate 32;
 - ``gpt-oss-20b``: gpt-oss as published (MXFP4 experts, bf16 rest), 24 layers × 32 experts, top-4.
@@ -109,20 +109,21 @@ GEOMETRIES = {
 # -- checkpoints -------------------------------------------------------------------------------------------------
 def checkpoint(geo: Geometry, layers: int, block_size: int, cache_dir: str | None) -> tuple[Path, Path]:
     """(target, drafter) directories of a geometry, written once into the engine cache (lock-protected)."""
-    from pd_dflash.engine.reference.checkpoints import tiny
+    from pd_dflash.engine.reference.checkpoints.tiny import TINY_CODE_FILES
     from pd_dflash.engine.reference.dflash.tiny import tiny_drafter_config, write_tiny_drafter
+    from pd_dflash.engine.reference.families import gpt_oss, qwen3_moe
     from pd_dflash.engine.reference.presets.training import build_once, cache_root, code_version
 
-    version = code_version(("checkpoints/tiny.py", "dflash/tiny.py"))
+    version = code_version((*TINY_CODE_FILES, "dflash/tiny.py"))
     root = cache_root(cache_dir) / "engine-overhead"
     target = root / f"{geo.name}-L{layers}-{version}"
     overrides = geo.overrides(layers)
 
     def build_target(tmp: Path) -> dict[str, Any]:
         if geo.writer == "qwen3_moe":
-            card = tiny.write_tiny_qwen3_moe(tmp, 0, max_shard_size="50MB", **overrides)
+            card = qwen3_moe.FAMILY.write_tiny(tmp, 0, max_shard_size="50MB", **overrides)
         else:
-            card = tiny.write_tiny_gpt_oss(tmp, 0, **overrides)
+            card = gpt_oss.FAMILY.write_tiny(tmp, 0, **overrides)
         return {**card, "geometry": geo.name, **overrides}
 
     build_once(target, build_target)

@@ -60,7 +60,7 @@ def build(out: Path, box_torch: str) -> dict:
     """Train (if needed) and copy every artifact under the box's keys; returns the manifest."""
     import torch
 
-    from pd_dflash.engine.reference.checkpoints.tiny import materialise
+    from pd_dflash.engine.reference.checkpoints.tiny import TINY_CODE_FILES, materialise
     from pd_dflash.engine.reference.presets.catalog import get_preset
     from pd_dflash.engine.reference.presets.drafters import (
         DEFAULT_DRAFTER_STEPS,
@@ -81,12 +81,12 @@ def build(out: Path, box_torch: str) -> dict:
         with torch_version_as(box_torch):
             there = (preset_dir(preset, 0, str(out)), drafter_dir(preset, 0, steps, str(out)))
         artifacts += [_copy(a, b) for a, b in zip(here, there, strict=True)]
-    for name in TINY_CHECKPOINTS:  # keyed on tiny.py and torch's version like the presets
+    for name in TINY_CHECKPOINTS:  # keyed on the tiny writers' code and torch's version like the presets
         source = materialise(name)
         with torch_version_as(box_torch):
             from pd_dflash.engine.reference.presets.training import code_version
 
-            key = code_version(("checkpoints/tiny.py",))
+            key = code_version(TINY_CODE_FILES)
         artifacts.append(_copy(source, out / "checkpoints" / f"{name}-s0-{key}"))
     manifest = {
         "trained_with_torch": torch.__version__,

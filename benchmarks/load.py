@@ -120,7 +120,7 @@ def tensor_plan(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     import torch
     from transformers import AutoConfig
 
-    from pd_dflash.engine.reference.checkpoints.layouts import expert_layout
+    from pd_dflash.engine.reference.families import expert_layout
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))

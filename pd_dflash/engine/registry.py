@@ -74,7 +74,7 @@ def _reference_model(model: ModelSpec, where: str) -> None:
 
 def _reference_spec(spec: SweepSpec) -> list[str]:
     """Real checkpoints (and their drafters) visible from here; a checkpoint that is not: a note."""
-    from pd_dflash.engine.reference.checkpoints.check import check_spec
+    from pd_dflash.engine.reference.spec_check import check_spec
 
     return check_spec(spec)
 

@@ -27,7 +27,6 @@ from pd_dflash.engine.reference.kv_arena import (
     KVArena,
     KVRow,
     Layout,
-    attention_windows,
     build_layout,
 )
 from pd_dflash.engine.reference.sampling import probabilities, sample
@@ -127,7 +126,7 @@ class TargetModel:
             else ALL_ATTENTION_FUNCTIONS["sdpa"]
         )
         #: Each layer's attention window (None: full causal), as transformers' mask builders read the config.
-        self.windows = attention_windows(config)
+        self.windows = family.attention_windows(config)
         #: Every request's KV cache: one preallocated arena (``kv_arena.py``), a row per request in flight.
         self.arena = KVArena(model, device)
         #: How the host waits for compute (set per cell to the offload runtime's, which keeps the link's

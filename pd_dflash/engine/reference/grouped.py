@@ -8,7 +8,7 @@ a device-side ``(layer, expert) → slot`` table (``ExpertCache.slot_table``, �
    get their slot by ONE gather from the table row of the layer;
 2. ONE stable sort by slot; group offsets by ``histc`` + ``cumsum`` over ALL slots (empty groups cost nothing;
    no ``torch.unique``, so no host sync and nothing data-dependent on the host);
-3. the family's expert function (``families.py``) with one grouped GEMM per projection (``torch._grouped_mm``)
+3. the family's expert function (``families/``: ``MoEFamily.grouped_fn``) with one grouped GEMM per projection (``torch._grouped_mm``)
    — or, where the device/dtype/strides lack it or (CPU) the pool has too many slots for torch's CPU loop over
    groups, the named fallback ``gathered_bmm``: each pair's weights gathered by slot and one ``bmm`` (gpt-fast's
    ``w1[expert_indices]``), recorded in the row's ``engine.expert_compute``;

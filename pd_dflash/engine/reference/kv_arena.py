@@ -34,18 +34,6 @@ from torch import nn
 from transformers import AttentionInterface
 
 
-def attention_windows(config) -> list[int | None]:
-    """Each decoder layer's attention window (None: full causal), by transformers' rule: gpt-oss alternates
-    ``layer_types`` (sliding layers use ``sliding_window``); the other families slide every layer when
-    ``sliding_window`` is set."""
-    layers = config.num_hidden_layers
-    if config.model_type == "gpt_oss":
-        return [
-            config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:layers]
-        ]
-    return [getattr(config, "sliding_window", None)] * layers
-
-
 @dataclass(eq=False)
 class KVRow:
     """A request's slot in the arena, held from admission until it retires."""

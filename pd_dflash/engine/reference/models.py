@@ -108,7 +108,7 @@ def load_model(
         store=loaded.store,
         storage=loaded.card["storage"],
         refusal=loaded.refusal,
-        chat=needs_chat_template(model_id, loaded.card["model_type"]),
+        chat=needs_chat_template(model_id, loaded.family),
     )
 
 

@@ -24,10 +24,13 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pd_dflash.errors import InputError
 from pd_dflash.spec_inputs import DEFAULT_CHAT_DATE
+
+if TYPE_CHECKING:
+    from pd_dflash.engine.reference.families import MoEFamily
 
 WHERE = "workload.prompts"
 HUMANEVAL = "humaneval"
@@ -172,10 +175,11 @@ def encode_prompts(
     return out
 
 
-def needs_chat_template(model_id: str, model_type: str | None) -> bool:
-    """Instruct targets: an ``-Instruct``/``-Chat`` id, or gpt-oss (released for chat only, harmony format)."""
+def needs_chat_template(model_id: str, family: MoEFamily) -> bool:
+    """Instruct targets: an ``-Instruct``/``-Chat`` id, or a family released for chat only
+    (``MoEFamily.chat_only``: gpt-oss, harmony format)."""
     name = model_id.lower()
-    return "instruct" in name or "chat" in name or model_type == "gpt_oss"
+    return "instruct" in name or "chat" in name or family.chat_only
 
 
 def select(prompts: Sequence[list[int]], n: int, seed: int) -> list[list[int]]:

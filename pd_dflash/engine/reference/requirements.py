@@ -1,6 +1,6 @@
 """The transformers the engine's forward needs, checked once at engine load.
 
-The engine passes ``cache=`` to ``create_causal_mask`` and to each attention module (``families.py``,
+The engine passes ``cache=`` to ``create_causal_mask`` and to each attention module (``kv_arena.py``,
 ``decode.py``): an API of transformers 5.24. On an older release the mask call raises a ``TypeError`` deep in
 the first cell, and the attention forward swallows ``cache=`` in ``**kwargs`` and never updates the KV cache (a
 silently wrong decode). A box with an older transformers (the lent GPU image ships 5.17) is refused at load,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from pd_dflash.engine.reference.checkpoints.layouts import expert_layout
 from pd_dflash.engine.reference.checkpoints.store import CheckpointExpertStore, meta_layers
+from pd_dflash.engine.reference.families import expert_layout
 
 #: Qwen/Qwen3-Coder-30B-A3B-Instruct config.json (the fields that size the experts).
 QWEN3_CODER_30B_A3B = {

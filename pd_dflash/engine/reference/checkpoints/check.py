@@ -1,13 +1,13 @@
 """Checking a checkpoint before anything loads it, without torch: the config's architecture, every shard the
 index names, every expert tensor in its expected shape and dtype (MXFP4 blocks *and* scales), the non-expert
-tensors, and a chat template where the target needs one. ``pd-dflash plan`` runs :func:`check_spec` on the
-driver; the engine runs :func:`check_checkpoint` before it allocates anything. Every problem is an
-:class:`~pd_dflash.errors.InputError` naming the file and the field or tensor.
+tensors, and a chat template where the target needs one. ``pd-dflash plan`` runs these on the driver
+(``spec_check.check_spec``); the engine runs :func:`check_checkpoint` before it allocates anything. Every
+problem is an :class:`~pd_dflash.errors.InputError` naming the file and the field or tensor. Which tensors a
+checkpoint must hold is its family's to say (``families/``); this module reads any family's layout.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,14 +19,9 @@ from pd_dflash.engine.reference.checkpoints.fields import (
     read_target_config,
 )
 from pd_dflash.engine.reference.checkpoints.files import CheckpointFiles, open_checkpoint
-from pd_dflash.engine.reference.checkpoints.layouts import (
-    ExpertLayout,
-    architecture_of,
-    config_dtype,
-    expert_layout,
-    non_expert_tensors,
-)
-from pd_dflash.engine.reference.checkpoints.resolve import TINY_REAL, resolve
+from pd_dflash.engine.reference.checkpoints.layouts import ExpertLayout, config_dtype
+from pd_dflash.engine.reference.checkpoints.resolve import resolve
+from pd_dflash.engine.reference.families import checkpoint_family, expert_layout
 from pd_dflash.engine.reference.prompts import needs_chat_template
 from pd_dflash.errors import InputError
 
@@ -46,7 +41,7 @@ def check_checkpoint(directory: Path, *, chat_template_for: str | None = None) -
     (``chat_template_for``: the model id whose instruct-ness decides whether a chat template is required)."""
     config = read_target_config(directory)  # every key the engine reads, of its type
     where = str(directory / "config.json")
-    architecture_of(config, where)
+    family = checkpoint_family(config, where)
     generation_eos_ids(directory)  # its types, before transformers reads it at load
     files = open_checkpoint(directory)
     layout = expert_layout(config, where=where, dtype=_stored_float_dtype(files, config))
@@ -65,10 +60,10 @@ def check_checkpoint(directory: Path, *, chat_template_for: str | None = None) -
                     f"{part.dtype}{list(src.shape)} from config.json",
                     where=str(entry.file),
                 )
-    for name in non_expert_tensors(config, layout):
+    for name in family.non_expert_tensors(config, layout):
         if name not in files.tensors:
             raise InputError(f"tensor {name!r} is missing from the checkpoint", where=str(directory))
-    needs = chat_template_for is not None and needs_chat_template(chat_template_for, config.get("model_type"))
+    needs = chat_template_for is not None and needs_chat_template(chat_template_for, family)
     if needs and not has_chat_template(directory):
         raise InputError(
             f"tokenizer_config.json: no chat_template, but {chat_template_for} is an instruct target "
@@ -98,79 +93,6 @@ def check_model(
         return f"{model_id}: {message}; the runners resolve it on their boxes"
     check_checkpoint(found.directory, chat_template_for=model_id)
     return None
-
-
-def check_spec(spec: Any) -> list[str]:
-    """Plan-time checks of a reference-engine spec (``registry.check`` runs this for every command that loads
-    a spec): each real checkpoint visible from here — its files, its chat template when the prompts are text,
-    and its DFlash drafter against it (``dflash.config.check_drafter``). Resolution uses the spec's ``env``
-    (the runners' ``HF_HOME``) over this process's. Returns notes (checkpoints not on this machine); raises the
-    first InputError, prefixed with the model's index."""
-    from pd_dflash.engine.reference.dflash.config import check_drafter
-    from pd_dflash.engine.reference.prompts import prompt_kind
-
-    env = {**os.environ, **spec.env}
-    text_prompts = prompt_kind(spec.workload.prompts) != "synthetic"
-    _check_prompt_content(spec.workload.prompts)
-    notes = []
-    for i, m in enumerate(spec.models):
-        if m.preset is not None or _is_preset_name(m.id):
-            continue
-        found = resolve(m.id, m.path, env=env)
-        if found.source == "tiny-real":
-            continue
-        if found.problem == "is not a directory":
-            raise InputError(
-                f"{m.path} is not a directory: a checkpoint is a directory with config.json and safetensors",
-                where=f"models.{i}.path",
-            )
-        if found.problem is not None:
-            notes.append(
-                f"{m.id}: models.{i}.path {m.path} {found.problem} here; the runners look for it on their boxes "
-                "(a box without it refuses the model's cells)"
-            )
-            continue
-        if found.directory is None:
-            notes.append(
-                f"{m.id}: checkpoint not found here (looked in {', '.join(found.tried)}); "
-                "the runners resolve it on their boxes"
-            )
-            continue
-        try:
-            checked = check_checkpoint(found.directory, chat_template_for=m.id if text_prompts else None)
-            note = (
-                check_drafter(
-                    m.draft,
-                    checked.config,
-                    target_where=str(found.directory / "config.json"),
-                    env=env,
-                    block_sizes=spec.block_sizes,
-                )
-                if m.draft
-                else None
-            )
-        except InputError as exc:
-            raise InputError(str(exc), where=f"models.{i}") from None
-        if note:
-            notes.append(f"{m.id}: {note}")
-    return notes
-
-
-def _check_prompt_content(source: str) -> None:
-    """A prompt file that is here is read as the runners will read it (bad lines named at plan time); one that
-    is not here is ``spec_inputs.check_here``'s to refuse (plan, run), not this check's (report --spec too)."""
-    from pd_dflash.engine.reference.prompts import load_prompt_texts
-    from pd_dflash.spec_inputs import prompt_file
-
-    path = prompt_file(source)
-    if path is not None and path.is_file():
-        load_prompt_texts(source)
-
-
-def _is_preset_name(name: str) -> bool:
-    from pd_dflash.engine.reference.presets.catalog import PRESETS
-
-    return name in PRESETS and name not in TINY_REAL
 
 
 def _stored_float_dtype(files: CheckpointFiles, config: dict[str, Any]) -> str:

@@ -3,7 +3,7 @@ type-checked, so a malformed file is an :class:`~pd_dflash.errors.InputError` na
 at ``plan``), never an ``AttributeError`` three calls later.
 
 - ``config.json``: a JSON object; each key below, when present, has its type (``TARGET_FIELDS``); which keys
-  a family *requires* is ``layouts.expert_layout``'s to say;
+  a family *requires* is its module's to say (``families/``: ``MoEFamily.layout_dims``, ``expert_parts``);
 - ``generation_config.json`` (optional): ``eos_token_id`` an id or a list of ids (each of them stops a request);
 - ``tokenizer_config.json`` (optional): a JSON object whose ``chat_template`` is a string or a list of named
   templates;

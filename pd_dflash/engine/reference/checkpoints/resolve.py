@@ -13,11 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pd_dflash.engine.reference.families import FAMILIES
 from pd_dflash.errors import InputError, excerpt
 
-#: Tiny random checkpoints in the real layouts, generated into the engine's cache on first use
-#: (``checkpoints.tiny``) and then loaded like any other checkpoint.
-TINY_REAL = ("tiny-real-qwen3-moe", "tiny-real-gpt-oss")
+#: Tiny random checkpoints in the real layouts (one per family that writes one), generated into the engine's
+#: cache on first use (``checkpoints.tiny``) and then loaded like any other checkpoint.
+TINY_REAL = tuple(f.tiny_name for f in FAMILIES.values() if f.tiny_name)
 
 
 @dataclass(frozen=True)

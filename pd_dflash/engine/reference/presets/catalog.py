@@ -7,13 +7,21 @@ preset + seed always yields the same weights (training.py caches them on disk).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from pd_dflash.engine.reference.families import family_named
 from pd_dflash.engine.reference.presets.language import SyntheticLanguage
 
-Family = Literal["qwen3_moe", "gpt_oss", "mixtral"]
+
+def _known_family(name: str) -> str:
+    family_named(name)  # ValueError naming the known families
+    return name
+
+
+#: A model family of ``families.FAMILIES`` (its ``model_type``).
+Family = Annotated[str, AfterValidator(_known_family)]
 
 
 class Preset(BaseModel):
@@ -119,7 +127,8 @@ def get_preset(name: str) -> Preset:
 
 
 def build_config(preset: Preset):
-    """The transformers config of a preset (built offline; no hub access)."""
+    """The transformers config of a preset (built offline; no hub access): the fields every family takes,
+    then the family's own (``MoEFamily.preset_config``)."""
     common = {
         "vocab_size": preset.language.vocab_size,
         "hidden_size": preset.hidden,
@@ -136,39 +145,11 @@ def build_config(preset: Preset):
         "eos_token_id": None,
         "pad_token_id": None,
     }
-    if preset.family == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
-
-        return Qwen3MoeConfig(
-            **common,
-            num_experts=preset.experts,
-            moe_intermediate_size=preset.expert_intermediate,
-            intermediate_size=4 * preset.hidden,
-            norm_topk_prob=True,
-        )
-    if preset.family == "gpt_oss":
-        from transformers import GptOssConfig
-
-        # The real model's sliding window is 128 over alternating layers; keep the pattern.
-        return GptOssConfig(
-            **common,
-            num_local_experts=preset.experts,
-            intermediate_size=preset.expert_intermediate,
-            sliding_window=128,
-            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-        )
-    if preset.family == "mixtral":
-        from transformers import MixtralConfig
-
-        return MixtralConfig(
-            **common, num_local_experts=preset.experts, intermediate_size=preset.expert_intermediate
-        )
-    raise ValueError(f"unknown family {preset.family!r}")
+    return family_named(preset.family).preset_config(
+        common, experts=preset.experts, intermediate=preset.expert_intermediate
+    )
 
 
-def model_class(family: str):
-    from transformers import GptOssForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
-
-    return {"qwen3_moe": Qwen3MoeForCausalLM, "gpt_oss": GptOssForCausalLM, "mixtral": MixtralForCausalLM}[
-        family
-    ]
+def model_class(family: str) -> type:
+    """The family's transformers ``*ForCausalLM`` class (``MoEFamily.model_class``)."""
+    return family_named(family).model_class()

@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from pd_dflash.engine.reference.families import family_of
+from pd_dflash.engine.reference.families import FAMILY_FILES, family_of
 from pd_dflash.engine.reference.presets.catalog import Preset, build_config, model_class
 
 #: Paths relative to ``engine/reference/``.
-_CODE_FILES = ("presets/training.py", "presets/catalog.py", "presets/language.py")
+_CODE_FILES = ("presets/training.py", "presets/catalog.py", "presets/language.py", *FAMILY_FILES)
 
 
 def code_version(files: tuple[str, ...] = _CODE_FILES) -> str:
