@@ -7,6 +7,9 @@ names (``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.self_attn.{q,k,v,o}_proj`
 (then cast), so a seed gives the same drafter whatever the transformers version: tests, the parity fixture
 (``scripts/dflash_parity.py``) and ``draft: tiny-real-dflash`` (generated into the engine cache on first use)
 rely on that. A random drafter's acceptance is ≈ 1 token per round: it tests machinery, not speed.
+
+``save_drafter`` is the layout's one writer: the tiny generator and the presets' trained drafters
+(``presets/drafters.py``) write their directories through it.
 """
 
 from __future__ import annotations
