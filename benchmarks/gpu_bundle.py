@@ -30,6 +30,8 @@ sys.path.insert(0, str(REPO))
 #: What the check loads: presets (with their DFlash drafters) and tiny real-layout checkpoints.
 PRESETS = ("micro", "mini-gpt-oss")
 TINY_CHECKPOINTS = ("tiny-real-qwen3-moe", "tiny-real-gpt-oss")
+#: The block sizes of the check's speculative cells (``benchmarks/gpu_steps.py``): a preset's drafter is per B.
+BLOCK_SIZES = (8,)
 
 
 @contextmanager
@@ -76,10 +78,13 @@ def build(out: Path, box_torch: str) -> dict:
         preset = get_preset(name)
         steps = DRAFTER_STEPS.get(name, DEFAULT_DRAFTER_STEPS)
         target, _ = load_preset(preset)
-        load_drafter(preset, target)
-        here = (preset_dir(preset, 0), drafter_dir(preset, 0, steps))
+        here, there = [preset_dir(preset, 0)], []
+        for block in BLOCK_SIZES:
+            load_drafter(preset, target, block_size=block)
+            here.append(drafter_dir(preset, 0, steps, block))
         with torch_version_as(box_torch):
-            there = (preset_dir(preset, 0, str(out)), drafter_dir(preset, 0, steps, str(out)))
+            there = [preset_dir(preset, 0, str(out))]
+            there += [drafter_dir(preset, 0, steps, block, str(out)) for block in BLOCK_SIZES]
         artifacts += [_copy(a, b) for a, b in zip(here, there, strict=True)]
     for name in TINY_CHECKPOINTS:  # keyed on the tiny writers' code and torch's version like the presets
         source = materialise(name)

@@ -37,7 +37,7 @@ def measure_proxy(preset_name: str, block_size: int, prompts: int) -> dict:
     torch.set_num_threads(1)
     preset = get_preset(preset_name)
     model, _ = load_preset(preset)
-    drafter, card = load_drafter(preset, model)
+    drafter, facts = load_drafter(preset, model, block_size=block_size)
     family = family_of(model.config)
     seqs = target_rollouts(model, torch.from_numpy(preset.language.sample(prompts, 24, seed=[5, 5])), 24)
     moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, family.router_attr)]
@@ -47,7 +47,12 @@ def measure_proxy(preset_name: str, block_size: int, prompts: int) -> dict:
             step = proxy_counts(model, drafter, family, moe, seqs[:, :anchor_pos], block_size, seen)
             for key, c in step.items():
                 counts[key] = [a + b for a, b in zip(counts.get(key, [0, 0, 0]), c, strict=True)]
-    out = {"preset": preset_name, "block_size": block_size, "drafter_tau": card["tau"], "moe_layers": moe}
+    out = {
+        "preset": preset_name,
+        "block_size": block_size,
+        "drafter_tau": facts["card"]["tau"],
+        "moe_layers": moe,
+    }
     return {**out, "proxies": proxy_recall(counts, moe)}
 
 
@@ -81,13 +86,15 @@ def proxy_counts(
     ``ids`` [n, t], A being what the verify of that block routed."""
     import torch
 
-    from pd_dflash.engine.reference.block_drafter import gather_features
+    from pd_dflash.engine.reference.presets.drafter_training import target_features
 
-    cfg = drafter.config
     out = model(ids, output_hidden_states=True)
-    ctx = gather_features(out.hidden_states, cfg.target_layer_ids)[:, -cfg.context_len :]
+    features = target_features(out.hidden_states, drafter.config.target_layer_ids)
     anchor = out.logits[:, -1].argmax(-1)
-    hidden = drafter.hidden_states(anchor, ctx, block_size)
+    # the block after every position of ``ids`` as context (what the serving drafter KV would hold)
+    n, t = ids.shape
+    at = torch.full((n, 1), t, dtype=torch.long, device=ids.device)
+    hidden = drafter.teacher_forced(features, anchor[:, None], at, block_size)[:, 0]
     block = torch.cat([anchor[:, None], drafter.logits(hidden[:, 1:]).argmax(-1)], 1)
     model(torch.cat([ids, block], 1))  # the verify: ``seen`` now holds what it routed
     embedded = model.model.embed_tokens(block)
@@ -97,7 +104,7 @@ def proxy_counts(
         "drafter hidden + embedding": hidden + embedded,
         "first-layer residual (exact attention)": seen["first"][:, -block_size:],
     }
-    n, counts = ids.shape[0], {}
+    counts = {}
     for layer in moe:
         routed = seen["routed"][layer]
         actual = routed.view(n, -1, routed.shape[-1])[:, -block_size:]

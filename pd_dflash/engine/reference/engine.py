@@ -51,7 +51,7 @@ from pd_dflash.engine.reference.requirements import require_transformers
 from pd_dflash.engine.reference.route_prefetch import RouteAheadPrefetcher
 from pd_dflash.engine.reference.seams import Admission, Decoding
 from pd_dflash.engine.reference.serving import RoundRecord, run_requests
-from pd_dflash.engine.reference.speculative import BlockDrafterSource, EarlyExitDrafter, SpeculativeDecoding
+from pd_dflash.engine.reference.speculative import EarlyExitDrafter, SpeculativeDecoding
 from pd_dflash.engine.reference.verify_width import CostAwareWidth
 from pd_dflash.errors import InputError
 from pd_dflash.schema import EngineResult, Status
@@ -130,9 +130,9 @@ class ReferenceEngine(Engine):
             if self.device.type == "cuda" and self.load_refusal is None
             else None
         )
-        # (drafter, card or facts): a preset's trained drafter, or the published models[].draft of a checkpoint;
-        # loaded at the first speculative cell.
-        self._dflash = None
+        # (drafter, facts) by block size: a preset's trained drafter of each B, or (key None) the published
+        # models[].draft of a checkpoint; loaded at the first speculative cell that needs it.
+        self._dflash: dict[int | None, tuple[Any, dict[str, Any]]] = {}
         self.load_seconds = time.perf_counter() - start
 
     def _offload(self, model) -> HostExpertStore:
@@ -207,7 +207,7 @@ class ReferenceEngine(Engine):
     def close(self) -> None:
         self.target = None
         self.loaded = None
-        self._dflash = None
+        self._dflash = {}
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -306,11 +306,11 @@ class ReferenceEngine(Engine):
 
     def _load_decoding(self, cell: Cell):
         """``_decoding``, and the seconds it took when this cell trained or loaded the DFlash drafter."""
-        loaded_before = self._dflash is not None
+        loaded_before = len(self._dflash)
         start = time.perf_counter()
         decoding, facts = self._decoding(cell)
         seconds = time.perf_counter() - start
-        return decoding, facts, (seconds if not loaded_before and self._dflash is not None else None)
+        return decoding, facts, (seconds if len(self._dflash) > loaded_before else None)
 
     def _decoding(self, cell: Cell):
         """(decoding, drafter facts) of the cell: AR for B0, the configured drafter otherwise."""
@@ -325,8 +325,8 @@ class ReferenceEngine(Engine):
             )
             return SpeculativeDecoding(drafter, cell.block_size, temperature), drafter.describe()
         if self.loaded.source != "preset":  # a published DFlash drafter (models[].draft), dflash/published.py
-            if self._dflash is None:
-                self._dflash = load_published_drafter(
+            if None not in self._dflash:
+                self._dflash[None] = load_published_drafter(
                     self.ctx.model.draft,
                     self.target.model,
                     target_where=str(
@@ -334,29 +334,17 @@ class ReferenceEngine(Engine):
                     ),
                     cache_dir=self.options.cache_dir,
                 )
-            return published_decoding(self._dflash, cell, temperature)
-        if self._dflash is None:
-            self._dflash = load_drafter(
+            return published_decoding(self._dflash[None], cell, temperature)
+        if cell.block_size not in self._dflash:  # a preset's drafter of this block size, trained on first use
+            self._dflash[cell.block_size] = load_drafter(
                 get_preset(self.loaded.name),
                 self.target.model,
+                block_size=cell.block_size,
                 seed=self.options.train_seed,
                 steps=self.options.drafter_train_steps,
                 cache_dir=self.options.cache_dir,
             )
-        drafter, card = self._dflash
-        if cell.block_size > drafter.config.block_size:
-            raise Refused(
-                Status.REFUSED,
-                f"block size {cell.block_size} exceeds the DFlash drafter's {drafter.config.block_size}",
-            )
-        source = BlockDrafterSource(
-            drafter, self.target, route_ahead=configuration(cell.baseline).route_ahead
-        )
-        facts = {
-            **source.describe(),
-            "card": {k: card.get(k) for k in ("tau", "train", "params", "cache_hit")},
-        }
-        return SpeculativeDecoding(source, cell.block_size, temperature), facts
+        return published_decoding(self._dflash[cell.block_size], cell, temperature)
 
     def _runtime(self, cell: Cell, capacity: int) -> tuple[OffloadRuntime, LinkFacts]:
         opts = self.options

@@ -12,11 +12,12 @@ PositiveInt = Annotated[int, Field(ge=1)]
 class ReferenceOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    #: Drafter used by the speculative baselines: the trained DFlash-style block drafter or an early-exit
-    #: self-drafter (first ``early_exit_layers`` target layers + the target head).
+    #: Drafter used by the speculative baselines: a DFlash drafter (a preset's trained one per block size, or a
+    #: checkpoint's published ``models[].draft``) or an early-exit self-drafter (first ``early_exit_layers`` target
+    #: layers + the target head).
     drafter: Literal["dflash", "early_exit"] = "dflash"
     early_exit_layers: PositiveInt = 1
-    #: Distillation steps of the DFlash drafter (default: the preset's drafter budget; part of its cache key).
+    #: Distillation steps of a preset's DFlash drafters (default: the preset's budget; part of their cache key).
     drafter_train_steps: PositiveInt | None = None
     #: CPU link emulation: each host→device expert transfer takes bytes/BW + latency of wall time.
     emulated_h2d_gbps: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None

@@ -5,7 +5,7 @@ A configuration (``pd_dflash/baselines.py``) is a choice of one implementation p
 | seam | implementations |
 |---|---|
 | ``Decoding`` | ``decode.AutoregressiveDecoding``, ``speculative.SpeculativeDecoding`` |
-| ``Drafter`` (speculative decoding's proposer) | ``speculative.BlockDrafterSource`` (presets), ``dflash.source.DFlashSource`` (published layout), ``speculative.EarlyExitDrafter`` |
+| ``Drafter`` (speculative decoding's proposer) | ``dflash.source.DFlashSource`` (published layout: published and preset drafters), ``speculative.EarlyExitDrafter`` |
 | ``Prefetcher`` | ``prefetch.ActivationAwarePrefetcher`` (the AR prefetcher), ``route_prefetch.RouteAheadPrefetcher`` |
 | ``Admission`` | ``serving.AdmitAll``, ``admission.DeficitAdmission`` (token or 2-D deficit) |
 | ``Link`` (host→device) | ``link.HostLink`` (CPU: emulated or a plain copy), ``cuda_link.CudaLink`` |

@@ -5,10 +5,10 @@ stores entries at their positions, so entries past the length are dead, ``kv_are
 
 Two drafters:
 
-- ``BlockDrafterSource``: the DFlash-style block drafter (``block_drafter.py``). ONE drafter forward proposes the
-  whole block for every request of the step, conditioned on the target's features at the request's last
-  committed positions (a rolling buffer filled from the verify forward's captured hidden states). It runs
-  resident: it is small and dense and owns no routed expert.
+- ``dflash.source.DFlashSource``: a DFlash drafter in z-lab's published layout (``dflash/model.py``), a published
+  one (``models[].draft``) or a preset's trained one (``presets/drafters.py``). ONE drafter forward proposes the
+  whole block for every request of the step, conditioned on the target's features at every committed position
+  (each request's drafter KV). It runs resident: it is small and dense and owns no routed expert.
 - ``EarlyExitDrafter``: the first d target layers + the target's final norm and LM head, drafting
   autoregressively for B−1 steps on the request's own KV cache (those d layers' entries are rolled back
   before the verify: the length drops back). Its MoE layers fetch experts through the device cache like any access (they count as
@@ -28,7 +28,6 @@ from collections.abc import Sequence
 import torch
 
 from pd_dflash.engine.reference import host_sync
-from pd_dflash.engine.reference.block_drafter import BlockDrafter
 from pd_dflash.engine.reference.decode import Block, Commit, Request, TargetModel, next_token
 from pd_dflash.engine.reference.sampling import greedy_accept, probabilities, sample, speculative_sample
 
@@ -77,70 +76,6 @@ class SpeculativeDecoding:
         r.cached -= len(block.tokens) - kept  # the rejected rows' KV entries are dead past the length
         self.drafter.observe(r, {i: h[:kept] for i, h in captured.items()})
         return Commit(committed=len(committed), kept_rows=kept)
-
-
-class BlockDrafterSource:
-    """The DFlash block drafter behind the decode loop: one parallel forward per step for all requests."""
-
-    kind = "dflash"
-
-    def __init__(self, drafter: BlockDrafter, target: TargetModel, *, route_ahead: bool = False) -> None:
-        self.drafter, self.target, self.route_ahead = drafter, target, route_ahead
-        self.capture = tuple(drafter.config.target_layer_ids)
-        self.context_len = drafter.config.context_len
-
-    def describe(self) -> dict:
-        cfg = self.drafter.config
-        return {
-            "kind": self.kind,
-            "layers": cfg.num_layers,
-            "heads": cfg.num_heads,
-            "target_layer_ids": list(cfg.target_layer_ids),
-            "context_len": cfg.context_len,
-            "max_block_size": cfg.block_size,
-            "params": sum(p.numel() for p in self.drafter.parameters()),
-            "runs": "resident (dense, no routed experts)",
-        }
-
-    def observe(self, request: Request, rows: dict[int, torch.Tensor]) -> None:
-        """Append the target's features of the committed (kept) rows to the request's context buffer."""
-        feats = torch.cat([rows[i] for i in self.capture], dim=-1)
-        if request.features is not None:
-            feats = torch.cat([request.features, feats], dim=0)
-        request.features = feats[-self.context_len :]
-
-    @torch.no_grad()
-    def draft(self, requests: Sequence[Request], block_size: int, temperature: float) -> list[Block]:
-        by_ctx: dict[int, list[Request]] = defaultdict(list)
-        for r in requests:  # one drafter call needs one context length (only short prompts differ)
-            by_ctx[r.features.shape[0]].append(r)
-        out = []
-        for group in by_ctx.values():
-            device = group[0].features.device
-            anchors = torch.tensor([r.output[-1] for r in group], device=device)
-            hidden = self.drafter.hidden_states(anchors, torch.stack([r.features for r in group]), block_size)
-            logits = self.drafter.logits(hidden[:, 1:])
-            q = probabilities(logits, temperature) if temperature > 0 else None
-            self.target.synchronize()  # the draft's end (on CUDA the link keeps prefetching meanwhile)
-            if q is not None:
-                picked = torch.stack([sample(q[i], r.generator) for i, r in enumerate(group)])
-            else:
-                picked = logits.argmax(-1)
-            all_drafts = host_sync.tolist("draft", picked)  # one host read for the group
-            for i, r in enumerate(group):
-                drafts = all_drafts[i]
-                tokens = [r.output[-1], *drafts]
-                out.append(
-                    Block(
-                        r,
-                        tokens,
-                        0,
-                        drafts=drafts,
-                        draft_probs=None if q is None else q[i],
-                        route_hidden=hidden[i] if self.route_ahead else None,  # route_prefetch.py
-                    )
-                )
-        return out
 
 
 class EarlyExitDrafter:

@@ -257,3 +257,42 @@ def test_a_non_numeric_scale_is_named():
     raw["dflash_config"]["output_multiplier"] = "2"
     with pytest.raises(InputError, match=r"dflash_config\.output_multiplier must be a number"):
         parse_drafter_config(raw, "c.json")
+
+
+SLIDING = {
+    "layer_types": ["sliding_attention", "full_attention"],
+    "use_sliding_window": True,
+    "sliding_window": 5,
+}
+
+
+@pytest.mark.parametrize(
+    ("rule", "attention"),
+    [
+        ({}, ["non-causal", "non-causal"]),  # the published drafters' rule
+        ({"is_causal": True}, ["causal", "causal"]),
+        (SLIDING, ["sliding", "non-causal"]),
+    ],
+    ids=["non-causal", "causal", "sliding"],
+)
+def test_the_training_forward_computes_what_serving_drafts(tmp_path, target, rule, attention):
+    """Training's teacher-forced blocks (context: every position before the anchor) equal the serving path's,
+    where the same context reaches the drafter KV in pieces over several drafts; the layer rule holds in both."""
+    drafter, facts = load_dflash_drafter(
+        drafter_dir(tmp_path, layers=2, num_key_value_heads=1, **rule), target
+    )
+    assert facts["attention"] == attention
+    gen = torch.Generator().manual_seed(4)
+    features = torch.randn(2, 20, 64, generator=gen)  # two sequences, the target's features at every position
+    anchor_ids = torch.randint(0, 64, (2, 3), generator=gen)
+    anchors = torch.tensor([[4, 9, 15], [1, 6, 14]])
+    trained = drafter.teacher_forced(features, anchor_ids, anchors, 6)
+    assert trained.requires_grad and trained.shape == (2, 3, 6, 32)
+    for seq in range(2):
+        kv, served = DraftKV(), []
+        for a in range(3):
+            context = features[seq, kv.length : int(anchors[seq, a])]
+            served.append(drafter([DraftRows(kv, context, int(anchor_ids[seq, a]))], 6)[0])
+        torch.testing.assert_close(trained[seq].detach(), torch.stack(served), atol=1e-5, rtol=1e-4)
+        logits = drafter.logits(trained[seq, :, 1:]).detach()
+        torch.testing.assert_close(logits, drafter.logits(torch.stack(served)[:, 1:]), atol=1e-5, rtol=1e-4)

@@ -64,7 +64,7 @@ def micro_with_drafter(micro):
     from pd_dflash.engine.reference.presets.catalog import get_preset
     from pd_dflash.engine.reference.presets.drafters import load_drafter
 
-    load_drafter(get_preset("micro"), micro[0])
+    load_drafter(get_preset("micro"), micro[0], block_size=8)  # the check's block size (gpu_steps.py)
 
 
 @pytest.mark.slow

@@ -174,13 +174,21 @@ def test_early_exit_layers_must_leave_a_layer_to_verify(micro):
         make_engine(spec_for("early_exit", early_exit_layers=2))
 
 
-def test_the_dflash_drafter_is_cached_with_its_card(micro):
+def test_the_dflash_drafters_are_cached_in_the_published_layout_with_their_cards(micro):
+    from safetensors.torch import load_file
+
+    from pd_dflash.engine.reference.dflash.tiny import published_tensor_shapes
+
     model, _ = micro
-    drafter, card = load_drafter(get_preset("micro"), model)
-    assert card["cache_hit"] and card["kind"] == "dflash"  # trained by the engine fixtures above
-    assert set(card["tau"]) == {"b8_greedy", "b16_greedy", "b8_t1", "b16_t1"}
-    assert card["tau"]["b16_greedy"] > 2.0  # trained: an untrained drafter gives ≈ 1
-    assert drafter.config.block_size == 16
+    for block in (8, 16):  # one drafter per block size, each trained by the engine fixtures above
+        drafter, facts = load_drafter(get_preset("micro"), model, block_size=block)
+        card = facts["card"]
+        assert card["cache_hit"] and facts["kind"] == "dflash" and facts["architecture"] == "DFlashDraftModel"
+        assert drafter.config.block_size == block and facts["attention"] == ["non-causal", "non-causal"]
+        assert set(card["tau"]) == {"greedy", "t1"}
+        assert card["tau"]["greedy"] > 2.5  # trained: an untrained drafter gives ≈ 1
+        stored = load_file(f"{facts['checkpoint']}/model.safetensors")  # z-lab's tensor names, nothing else
+        assert {k: tuple(v.shape) for k, v in stored.items()} == published_tensor_shapes(drafter.config)
 
 
 def test_cpu_transfers_without_emulation_are_not_called_a_real_link(micro):

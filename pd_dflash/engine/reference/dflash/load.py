@@ -10,6 +10,7 @@ or misshapen tensor is an InputError naming the file and the tensor. Tensors the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,12 @@ import torch
 from torch import nn
 
 from pd_dflash.engine.reference.checkpoints.fields import read_weight_map
-from pd_dflash.engine.reference.dflash.config import drafter_problems, parse_drafter_config, read_json
+from pd_dflash.engine.reference.dflash.config import (
+    DFlashConfig,
+    drafter_problems,
+    parse_drafter_config,
+    read_json,
+)
 from pd_dflash.engine.reference.dflash.model import DFlashDrafter
 from pd_dflash.errors import InputError
 
@@ -62,14 +68,21 @@ def read_tensors(directory: Path) -> dict[str, tuple[torch.Tensor, Path]]:
     return out
 
 
+def build_drafter(raw: Mapping[str, Any], cfg: DFlashConfig) -> DFlashDrafter:
+    """The drafter a published ``config.json`` describes (``cfg``: its parsed fields), weights not yet loaded:
+    the RoPE and each layer's attention rule come from transformers' ``Qwen3Config`` of the same file."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    hf = Qwen3Config.from_dict(dict(raw))
+    return DFlashDrafter(cfg, Qwen3RotaryEmbedding(hf), layer_rules(hf, cfg.num_hidden_layers))
+
+
 def load_dflash_drafter(
     directory: Path, target: nn.Module, *, target_where: str = "target config.json"
 ) -> tuple[DFlashDrafter, dict[str, Any]]:
     """The drafter in ``directory`` on ``target``'s device and dtype, borrowing its embedding and lm_head;
     InputError when it does not fit the target or its files are incomplete."""
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
     where = str(directory / "config.json")
     raw = read_json(directory / "config.json")
     cfg = parse_drafter_config(raw, where)
@@ -78,8 +91,7 @@ def load_dflash_drafter(
         raise InputError(
             "the drafter does not fit its target: " + "; ".join(problems), where="models[].draft"
         )
-    hf = Qwen3Config.from_dict(raw)
-    drafter = DFlashDrafter(cfg, Qwen3RotaryEmbedding(hf), layer_rules(hf, cfg.num_hidden_layers))
+    drafter = build_drafter(raw, cfg)
     stored = read_tensors(directory)
     state = {}
     for name, expected in drafter.state_dict().items():

@@ -17,6 +17,10 @@ The drafter KV holds the context rows of every committed position (cache index =
 its new context rows and the block rows, attends, and crops the block rows again, as the official loop does, so
 rejected drafts never enter the KV. The linear layers run once over the rows of all c requests; attention runs
 per request on its own KV (the target's verify batches its attention instead: ``kv_arena.py``).
+
+``teacher_forced`` is the same computation for training (differentiable, no KV): a batch of sequences with the
+target's features at every position and a set of anchors, each block seeing the context rows before its anchor.
+The presets' drafters are trained with it (``presets/drafter_training.py``) and then served by ``forward``.
 """
 
 from __future__ import annotations
@@ -105,32 +109,49 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(x.shape[0], self.kv_heads, self.head_dim))
         return rotate(k, cos, sin), self.v_proj(x).view(x.shape[0], self.kv_heads, self.head_dim)
 
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self.q_norm(self.q_proj(x).view(x.shape[0], self.heads, self.head_dim))
+        return rotate(q, cos, sin)
+
+    def rule(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor | None:
+        """Which keys each query may see by the layer's causal/sliding rule (positions broadcast against each
+        other); None when it sees every key (a non-causal, non-sliding layer)."""
+        if not self.causal and self.window is None:
+            return None
+        mask = torch.ones(
+            torch.broadcast_shapes(qpos.shape, kpos.shape), dtype=torch.bool, device=qpos.device
+        )
+        if self.causal:
+            mask &= kpos <= qpos
+        if self.window is not None:
+            mask &= qpos - kpos < self.window
+            if not self.causal:
+                mask &= kpos - qpos < self.window
+        return mask
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """Block queries [heads, B, d] (positions start..start+B−1) over keys/values [kv_heads, T, d] at
         positions 0..T−1 (T = start + B): the whole context and block, within the layer's causal/sliding rule."""
-        mask = None
-        if self.causal or self.window is not None:
-            qpos = torch.arange(start, start + q.shape[1], device=q.device)[:, None]
-            kpos = torch.arange(k.shape[1], device=q.device)[None, :]
-            mask = torch.ones(qpos.shape[0], kpos.shape[1], dtype=torch.bool, device=q.device)
-            if self.causal:
-                mask &= kpos <= qpos
-            if self.window is not None:
-                mask &= qpos - kpos < self.window
-                if not self.causal:
-                    mask &= kpos - qpos < self.window
+        qpos = torch.arange(start, start + q.shape[1], device=q.device)[:, None]
+        mask = self.rule(qpos, torch.arange(k.shape[1], device=q.device)[None, :])
+        out = self.sdpa(q[None], k[None], v[None], mask)
+        return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+    def sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention of q [..., heads, Q, d] over k/v [..., kv_heads, T, d] (GQA: a kv head per head group)."""
         if self.heads != self.kv_heads and mask is not None:
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=0)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=0)
-        out = F.scaled_dot_product_attention(
-            q[None],
-            k[None],
-            v[None],
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=-3)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=-3)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
             attn_mask=mask,
             scale=self.head_dim**-0.5,
             enable_gqa=self.heads != self.kv_heads and mask is None,
         )
-        return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
 
 class MLP(nn.Module):
@@ -205,7 +226,7 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = rotate(attn.q_norm(attn.q_proj(h).view(h.shape[0], attn.heads, attn.head_dim)), cos_b, sin_b)
+            q = attn.queries(h, cos_b, sin_b)
             k_b, v_b = attn.keys_values(h, cos_b, sin_b)
             k_c, v_c = attn.keys_values(ctx, cos_c, sin_c)
             outs, c0 = [], 0
@@ -223,6 +244,46 @@ class DFlashDrafter(nn.Module):
         for r, (_, end) in zip(rows, ctx_spans, strict=True):
             r.kv.crop(end)  # the block rows leave the KV: only committed context stays
         return x.view(len(rows), block_size, -1)
+
+    def teacher_forced(
+        self, features: torch.Tensor, anchor_ids: torch.Tensor, anchors: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """Hidden states [batch, A, B, H] (before the final norm) of the block at each of A anchors per sequence,
+        differentiable: what ``forward`` computes for the anchor at position t when the request's drafter KV holds
+        the context rows of positions 0..t−1 (training and the offline τ; tests/engine/reference/
+        test_dflash_drafter.py checks the two agree).
+
+        ``features`` [batch, S, n·H]: the target's features at every position of each sequence; ``anchor_ids``
+        and ``anchors`` [batch, A]: each anchor's token and position t (0 ≤ t ≤ S); its block sits at t..t+B−1.
+        """
+        cfg, (embedding, _) = self.config, self._target
+        (batch, seq, _), n, dev = features.shape, anchors.shape[1], embedding.device
+        ctx = self.hidden_norm(self.fc(features.to(embedding.dtype))).flatten(0, 1)  # [batch·S, H]
+        masks = anchor_ids.new_full((batch, n, block_size - 1), cfg.mask_token_id)
+        ids = torch.cat([anchor_ids[..., None], masks], -1).flatten()
+        x = F.embedding(ids, embedding) * cfg.input_embedding_scale  # [batch·n·B, H]
+        ctx_pos = torch.arange(seq, device=dev)
+        block_pos = anchors[..., None] + torch.arange(block_size, device=dev)  # [batch, n, B]
+        cos_c, sin_c = self._rope(ctx, ctx_pos.repeat(batch))
+        cos_b, sin_b = self._rope(x, block_pos.flatten())
+        # each block's keys: every context row (those from its anchor on are masked out) and its own block rows
+        key_pos = torch.cat([ctx_pos.expand(batch, n, seq), block_pos], -1)  # [batch, n, S + B]
+        own = torch.ones(batch, n, block_size, dtype=torch.bool, device=dev)
+        visible = torch.cat([ctx_pos < anchors[..., None], own], -1)[:, :, None]  # [batch, n, 1, S + B]
+        for layer in self.layers:
+            attn = layer.self_attn
+            rule = attn.rule(block_pos[..., None], key_pos[:, :, None])
+            mask = (visible if rule is None else visible & rule)[:, :, None]  # heads broadcast
+            h = layer.input_layernorm(x)
+            q = attn.queries(h, cos_b, sin_b).view(batch, n, block_size, attn.heads, -1).transpose(2, 3)
+            k_b, v_b = (t.view(batch, n, block_size, *t.shape[1:]) for t in attn.keys_values(h, cos_b, sin_b))
+            k_c, v_c = (t.view(batch, 1, seq, *t.shape[1:]) for t in attn.keys_values(ctx, cos_c, sin_c))
+            k = torch.cat([k_c.expand(-1, n, -1, -1, -1), k_b], 2).transpose(2, 3)  # [batch, n, kv, S+B, d]
+            v = torch.cat([v_c.expand(-1, n, -1, -1, -1), v_b], 2).transpose(2, 3)
+            out = attn.sdpa(q, k, v, mask)  # [batch, n, heads, B, d]
+            x = x + attn.o_proj(out.transpose(2, 3).reshape(batch * n * block_size, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x.view(batch, n, block_size, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits from hidden states: the drafter's norm, the target's lm_head, multiplier, softcap."""

@@ -1,6 +1,7 @@
 """The engine's side of a published DFlash drafter: find ``models[].draft`` (a directory, a hub id in the HF
 cache, or ``tiny-real-dflash``), load it once per runner on the target, and build each speculative cell's
-decoding from it. A drafter that is missing or does not fit its target refuses the speculative cells (B0
+decoding from it (``published_decoding`` also serves a preset's trained drafters, which are in the same layout:
+``presets/drafters.py``). A drafter that is missing or does not fit its target refuses the speculative cells (B0
 still runs); ``pd-dflash plan`` has already refused it when the files were visible there (``config.check_drafter``).
 """
 

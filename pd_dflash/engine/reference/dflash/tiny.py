@@ -7,6 +7,9 @@ names (``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.self_attn.{q,k,v,o}_proj`
 (then cast), so a seed gives the same drafter whatever the transformers version: tests, the parity fixture
 (``scripts/dflash_parity.py``) and ``draft: tiny-real-dflash`` (generated into the engine cache on first use)
 rely on that. A random drafter's acceptance is ≈ 1 token per round: it tests machinery, not speed.
+
+``save_drafter`` is the layout's one writer: the tiny generator and the presets' trained drafters
+(``presets/drafters.py``) write their directories through it.
 """
 
 from __future__ import annotations
@@ -103,10 +106,7 @@ def tiny_drafter_config(
 
 def write_tiny_drafter(out: Path, config: Mapping[str, Any], *, seed: int = 0) -> Path:
     """Write ``config.json`` + seeded random ``model.safetensors`` into ``out`` (created); returns ``out``."""
-    from safetensors.torch import save_file
-
     cfg = parse_drafter_config(config, str(out / "config.json"))
-    dtype = _DTYPES[str(config.get("dtype", "float32"))]
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in sorted(published_tensor_shapes(cfg).items()):
@@ -116,10 +116,20 @@ def write_tiny_drafter(out: Path, config: Mapping[str, Any], *, seed: int = 0) -
             t = 0.02 * torch.randn(shape, generator=gen)
         else:
             t = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
-        tensors[name] = t.to(dtype).contiguous()
+        tensors[name] = t
+    return save_drafter(out, config, tensors)
+
+
+def save_drafter(out: Path, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Path:
+    """A drafter directory in the published layout: ``config.json`` and ``model.safetensors`` (the tensors by
+    name, cast to the config's ``dtype``). The tiny generator and the presets' trained drafters write this way."""
+    from safetensors.torch import save_file
+
+    dtype = _DTYPES[str(config.get("dtype", "float32"))]
+    weights = {name: tensors[name].detach().to("cpu", dtype).contiguous() for name in sorted(tensors)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 

@@ -116,24 +116,15 @@ def _train(preset: Preset, seed: int) -> tuple[torch.nn.Module, dict[str, Any]]:
     model.train()
     steps, batch = preset.train_steps, preset.batch
     data = torch.from_numpy(lang.sample(steps * batch, preset.seq_len, seed=[seed, 1]))
-    opt = torch.optim.AdamW(model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=0.0)
-
-    def lr_factor(step: int) -> float:
-        warm = min(1.0, (step + 1) / max(1, preset.warmup_steps))
-        return warm * 0.5 * (1.0 + math.cos(math.pi * step / steps))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     start = time.perf_counter()
-    losses = []
-    for step in range(steps):
+
+    def loss_at(step: int) -> torch.Tensor:
         x = data[step * batch : (step + 1) * batch]
-        out = model(input_ids=x, labels=x)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        losses.append(out.loss.item())
+        return model(input_ids=x, labels=x).loss
+
+    losses = fit(
+        list(model.parameters()), loss_at, steps=steps, lr=preset.lr, warmup_steps=preset.warmup_steps
+    )
     seconds = time.perf_counter() - start
     model.config.output_router_logits = False
     model.eval()
@@ -157,6 +148,39 @@ def _train(preset: Preset, seed: int) -> tuple[torch.nn.Module, dict[str, Any]]:
         **evaluate(model, preset, seed),
     }
     return model, card
+
+
+def lr_at(step: int, steps: int, lr: float, warmup_steps: int, floor: float = 0.0) -> float:
+    """The presets' one learning-rate schedule: a linear warm-up over ``warmup_steps`` times a cosine from ``lr``
+    at step 0 down to ``floor · lr`` at the end."""
+    warm = min(1.0, (step + 1) / max(1, warmup_steps))
+    return lr * (warm * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * step / steps))))
+
+
+def fit(
+    parameters: list[torch.nn.Parameter],
+    loss_at: Callable[[int], torch.Tensor],
+    *,
+    steps: int,
+    lr: float,
+    warmup_steps: int,
+    floor: float = 0.0,
+) -> list[float]:
+    """The presets' one training loop (targets here, drafters in ``drafter_training.py``): AdamW (β 0.9/0.95, no
+    weight decay) at ``lr_at``'s rate, the gradient norm clipped to 1, ``loss_at(step)`` the step's loss (its
+    data are the caller's). Deterministic given deterministic losses; returns the loss of every step."""
+    opt = torch.optim.AdamW(parameters, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup_steps, floor)
+        loss = loss_at(step)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
 
 
 @torch.no_grad()
