@@ -1,9 +1,9 @@
 """Ops dispatched per generated token by the reference engine's target forward at c = 1, 4, 16: batched attention
-(one attention call per layer over every in-flight request, ``kv_arena.py``) makes them FALL with c.
+(one attention call per layer over every in-flight request, ``decoding/kv_arena.py``) makes them FALL with c.
 
 Tiny math (hidden 64) at a real target's routing geometry (default Qwen3-Coder-30B-A3B's: 48 layers × 128
 experts, top-8; random weights), 16 requests, a 32-token prompt and 16 new tokens each, greedy AR through the
-step loop (``serving.run_requests``), prefills included. The model's own experts run as transformers'
+step loop (``decoding/loop.run_requests``), prefills included. The model's own experts run as transformers'
 ``grouped_mm`` (a constant number of ops per MoE layer), so the figure isolates what the engine adds around
 them: attention, KV cache, ids/positions/masks and the LM head. Ops are counted with a
 ``torch.utils._python_dispatch.TorchDispatchMode`` (every ``__torch_dispatch__`` call); the table prints ops per
@@ -98,9 +98,9 @@ def serve(model, args, concurrency: int) -> tuple[int, float, int]:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Request, TargetModel
+    from pd_dflash.engine.reference.decoding.loop import RoundHooks, run_requests
+    from pd_dflash.engine.reference.decoding.target import AutoregressiveDecoding, Request, TargetModel
     from pd_dflash.engine.reference.families import family_of
-    from pd_dflash.engine.reference.serving import RoundHooks, run_requests
 
     class Count(TorchDispatchMode):
         ops = 0

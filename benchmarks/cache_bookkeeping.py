@@ -63,8 +63,8 @@ class Timed:
 def make_cache(cls, policy: str, slots: int, experts: int):
     import torch
 
-    from pd_dflash.engine.reference.expert_store import HostExpertStore
-    from pd_dflash.engine.reference.link import HostLink
+    from pd_dflash.engine.reference.offload.link import HostLink
+    from pd_dflash.engine.reference.offload.store import HostExpertStore
 
     store = HostExpertStore({layer: [torch.zeros(experts, 2)] for layer in range(LAYERS)})
     device = torch.device("cpu")
@@ -139,7 +139,7 @@ def run(cache, rounds: list, check_at: int) -> dict:
 
 
 class CountingHeap:
-    """``heapq`` for ``cache_plan`` during the timed run: counts the index's heap operations."""
+    """``heapq`` for ``offload/eviction`` during the timed run: counts the index's heap operations."""
 
     def __init__(self, heapq) -> None:
         self.heapq, self.ops = heapq, 0
@@ -158,20 +158,20 @@ def measure(cls, policy: str, slots: int, experts: int, rounds: list, check_at: 
     """The best of ``repeats`` fresh runs, figure by figure (the VM is shared: the least disturbed run); the
     victim and insert figures and the heap operations from one more run with their counters (kept out of the
     others' figures)."""
-    from pd_dflash.engine.reference import cache_plan
+    from pd_dflash.engine.reference.offload import eviction
 
-    runs, heapq = [], cache_plan.heapq
+    runs, heapq = [], eviction.heapq
     for timed in [False] * repeats + [True]:
         cache = make_cache(
             type(f"Timed{cls.__name__}", (Timed, cls), {}) if timed else cls, policy, slots, experts
         )
         fill(cache, experts)
-        cache_plan.heapq = CountingHeap(heapq) if timed else heapq
+        eviction.heapq = CountingHeap(heapq) if timed else heapq
         try:
             runs.append(run(cache, rounds, check_at))
-            runs[-1]["heap_ops"] = cache_plan.heapq.ops / max(1, runs[-1]["misses"]) if timed else None
+            runs[-1]["heap_ops"] = eviction.heapq.ops / max(1, runs[-1]["misses"]) if timed else None
         finally:
-            cache_plan.heapq = heapq
+            eviction.heapq = heapq
             cache.close()
     assert all(r["check"] == runs[0]["check"] for r in runs)  # deterministic: the same victims every time
     best = {c: min(r[c] for r in runs[:-1]) for c in ("per_miss", "upkeep", "all")}
@@ -179,7 +179,7 @@ def measure(cls, policy: str, slots: int, experts: int, rounds: list, check_at: 
 
 
 def main() -> int:
-    from pd_dflash.engine.reference.expert_cache import ExpertCache
+    from pd_dflash.engine.reference.offload.cache import ExpertCache
     from tests.engine.reference.eviction_scan import ScanCache
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

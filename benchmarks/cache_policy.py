@@ -101,7 +101,7 @@ def record(spec_path: str, baseline: str, block_size: int, concurrency: int, evi
 
 
 def main() -> int:
-    from pd_dflash.engine.reference.cache_replay import POLICIES, accesses, clairvoyant_in_time, replay
+    from pd_dflash.engine.reference.offload.replay import POLICIES, accesses, clairvoyant_in_time, replay
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", default="jobs/cpu_reference.yaml")

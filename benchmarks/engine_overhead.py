@@ -25,7 +25,7 @@ Measured, per geometry (one request, 32-token prompt, 16 new tokens, greedy, unl
 Every figure comes from two runs of the same thing: a timing run (ms; nothing attached) and a counting run under
 a ``TorchDispatchMode`` that counts every ``__torch_dispatch__`` call on the host thread (prefill included on
 both sides) with its host-clock time, so ops are attributed to the engine's round windows (draft / router /
-issue / verify, ``serving.RoundRecord.windows``). Host syncs: ``aten._local_scalar_dense`` (``.item()``),
+issue / verify, ``decoding/loop.RoundRecord.windows``). Host syncs: ``aten._local_scalar_dense`` (``.item()``),
 device→host copies, and data-dependent-shape ops (``nonzero``, ``unique``, ``masked_select``: they synchronise
 on CUDA); on CPU ``.tolist()`` does not reach the dispatcher, so the dispatch count is a lower bound there; the
 engine's own ``engine.host_syncs`` row fact is copied when the engine reports it. On CUDA the synchronising
@@ -597,7 +597,7 @@ def nearest_rank(values: list[float], q: float) -> float:
 def bm2(engine, device, args, window_seconds: float | None) -> dict[str, Any]:
     """Saturated prefetch issuance: every expert of every MoE layer through ``ExpertCache.prefetch`` on a
     fresh cache that holds them all (its construction is not timed), the engine's link, in layer order."""
-    from pd_dflash.engine.reference.expert_cache import ExpertCache
+    from pd_dflash.engine.reference.offload.cache import ExpertCache
 
     store = engine.store
     keys = [(layer, e) for layer in store.layer_ids for e in range(store.num_experts)]
@@ -631,10 +631,10 @@ def bm2(engine, device, args, window_seconds: float | None) -> dict[str, Any]:
 
 def _link(device, args):
     if device.type == "cuda":
-        from pd_dflash.engine.reference.cuda_link import CudaLink
+        from pd_dflash.engine.reference.offload.cuda_link import CudaLink
 
         return CudaLink(device)
-    from pd_dflash.engine.reference.link import HostLink
+    from pd_dflash.engine.reference.offload.link import HostLink
 
     return HostLink(args.link_gbps, 0.0)
 

@@ -359,7 +359,7 @@ def _capturing_engine():
         def _peak(self, cell, peak: int) -> dict[str, Any]:
             """The cell's measured device peak (warm-up prefill included) against what the engine's pre-check
             counts (``memory.require_cell_device_memory``: expert cache + KV bound + headroom)."""
-            from pd_dflash.engine.reference.memory import DEVICE_HEADROOM_BYTES, kv_cache_bytes
+            from pd_dflash.engine.reference.offload.memory import DEVICE_HEADROOM_BYTES, kv_cache_bytes
 
             slots = min(self.cache_capacity(cell) // self.store.expert_nbytes, self.store.num_entries)
             wl = self.ctx.workload

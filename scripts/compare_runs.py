@@ -54,6 +54,8 @@ TIMED = [
     # runs first (timings.drafter_load exists only there)
     r"engine\.kv_cache\.allocated_bytes_peak",
     r"timings\.drafter_load",
+    # a cache directory is named by the code versions it was trained with: a restructuring renames it
+    r"engine\.drafter\.checkpoint",
 ]
 _TIMED = re.compile("|".join(f"(?:{p})" for p in TIMED))
 #: With c > 1 a deficit scheduler (B2, OURS) admits by measured cost, so which requests share a forward, and
@@ -68,6 +70,7 @@ SCHEDULED = [
     # counted per round and per verified row: which rows a round verifies follows the clock here
     r"engine\.host_syncs\..*",
     r"engine\.kv_cache\.in_use_bytes_peak",
+    r"engine\.drafter\.peak_draft_kv_bytes",
 ]
 _SCHEDULED = re.compile("|".join(f"(?:{p})" for p in SCHEDULED))
 #: Configurations admitted by a deficit scheduler (their batches follow the clock when c > 1), and those whose

@@ -202,13 +202,13 @@ def run_ours(root: Path, *, concurrency: int = 1) -> dict:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from pd_dflash.engine.reference.decode import Request, TargetModel
+    from pd_dflash.engine.reference.decoding.loop import RoundHooks, run_requests
+    from pd_dflash.engine.reference.decoding.speculative import SpeculativeDecoding
+    from pd_dflash.engine.reference.decoding.target import Request, TargetModel
     from pd_dflash.engine.reference.dflash.load import load_dflash_drafter
     from pd_dflash.engine.reference.dflash.model import DraftKV, DraftRows
     from pd_dflash.engine.reference.dflash.source import DFlashSource
     from pd_dflash.engine.reference.families import family_of
-    from pd_dflash.engine.reference.serving import RoundHooks, run_requests
-    from pd_dflash.engine.reference.speculative import SpeculativeDecoding
 
     torch.set_num_threads(1)
     out = {}

@@ -93,7 +93,7 @@ class HideTerms:
     needed_per_round: list[int]
     num_experts: int
     total_expert_bytes: int
-    #: Σ transfer time inside the verify windows minus stalls (``transfer_overlap.py``); 0 without a link.
+    #: Σ transfer time inside the verify windows minus stalls (``offload/overlap.py``); 0 without a link.
     overlap_seconds: float
 
 

@@ -52,7 +52,7 @@ def test_dflash_draft_is_emitted_only_when_a_request_is_drafted_for(
     from types import SimpleNamespace
 
     from pd_dflash.engine import nvtx_ranges
-    from pd_dflash.engine.reference.serving import _Serving
+    from pd_dflash.engine.reference.decoding.loop import _Serving
 
     recorder = _RangeRecorder()
     monkeypatch.setattr(nvtx_ranges, "_nvtx", recorder)

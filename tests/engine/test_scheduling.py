@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd_dflash.engine.scheduling import (
+from pd_dflash.engine.reference.decoding.deficit import (
     DeficitScheduler,
     TokenDeficitScheduler,
     TwoDimDeficitScheduler,

@@ -13,46 +13,34 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 import pd_dflash
-from pd_dflash.baselines import configuration
 from pd_dflash.engine import measurement, nvml
 from pd_dflash.engine.interface import Engine, EngineContext, Refused
 from pd_dflash.engine.probe import measure_h2d_bytes_per_second
-from pd_dflash.engine.reference.admission import scheduler_for
-from pd_dflash.engine.reference.capacity import expert_cache_capacity
-from pd_dflash.engine.reference.cuda_link import CudaLink
-from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Request, TargetModel
-from pd_dflash.engine.reference.dflash.published import load_published_drafter, published_decoding
-from pd_dflash.engine.reference.expert_cache import ExpertCache
-from pd_dflash.engine.reference.expert_store import HostExpertStore
-from pd_dflash.engine.reference.link import HostLink
-from pd_dflash.engine.reference.link_rate import emulated_gbps, link_bytes_per_second
-from pd_dflash.engine.reference.memory import (
+from pd_dflash.engine.reference.decoding.admission import scheduler_for
+from pd_dflash.engine.reference.decoding.cell import CellDecodings
+from pd_dflash.engine.reference.decoding.loop import RoundRecord, run_requests
+from pd_dflash.engine.reference.decoding.target import Request, TargetModel
+from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts, cell_trace
+from pd_dflash.engine.reference.models import load_model, make_prompts
+from pd_dflash.engine.reference.offload.cell import Offload, expert_cache_capacity
+from pd_dflash.engine.reference.offload.memory import (
     device_available_bytes,
     host_available_bytes,
     module_bytes,
     require,
     require_cell_device_memory,
 )
-from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts, cell_trace
-from pd_dflash.engine.reference.models import load_model, make_prompts
-from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
+from pd_dflash.engine.reference.offload.runtime import OffloadRuntime, install_offload
+from pd_dflash.engine.reference.offload.store import HostExpertStore
 from pd_dflash.engine.reference.options import ReferenceOptions
-from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
-from pd_dflash.engine.reference.presets.catalog import get_preset
-from pd_dflash.engine.reference.presets.drafters import load_drafter
 from pd_dflash.engine.reference.prompts import prompt_facts
 from pd_dflash.engine.reference.requirements import require_transformers
-from pd_dflash.engine.reference.route_prefetch import RouteAheadPrefetcher
 from pd_dflash.engine.reference.seams import Admission, Decoding
-from pd_dflash.engine.reference.serving import RoundRecord, run_requests
-from pd_dflash.engine.reference.speculative import EarlyExitDrafter, SpeculativeDecoding
-from pd_dflash.engine.reference.verify_width import CostAwareWidth
 from pd_dflash.errors import InputError
 from pd_dflash.schema import EngineResult, Status
 from pd_dflash.spec import Cell
@@ -113,7 +101,7 @@ class ReferenceEngine(Engine):
                     self.compute_dtype
                 ]
             try:
-                self.store = self._offload(model)
+                self.store = self._host_store(model)
                 model.to(self.device)  # everything but the routed experts, which now live in the host store
             except Refused as refusal:
                 self.load_refusal = refusal
@@ -130,12 +118,24 @@ class ReferenceEngine(Engine):
             if self.device.type == "cuda" and self.load_refusal is None
             else None
         )
-        # (drafter, facts) by block size: a preset's trained drafter of each B, or (key None) the published
-        # models[].draft of a checkpoint; loaded at the first speculative cell that needs it.
-        self._dflash: dict[int | None, tuple[Any, dict[str, Any]]] = {}
+        self.decodings = CellDecodings(
+            self.target, self.loaded, ctx.model, self.options, ctx.workload.temperature
+        )
+        #: What each cell's offload is built from (None when the load was refused: no cell runs).
+        self.offload = None
+        if self.store is not None:
+            self.offload = Offload(
+                self.target,
+                self.store,
+                self.options,
+                self.device,
+                self.compute_dtype,
+                self.top_k,
+                self.probe_bytes_per_second,
+            )
         self.load_seconds = time.perf_counter() - start
 
-    def _offload(self, model) -> HostExpertStore:
+    def _host_store(self, model) -> HostExpertStore:
         """The host store (its memory checked first), then the device check of the non-expert weights."""
         store = install_offload(
             model,
@@ -149,7 +149,7 @@ class ReferenceEngine(Engine):
         return store
 
     def host_available_bytes(self) -> int | None:
-        """Host memory available now (``memory.py``); a subclass may inject a figure."""
+        """Host memory available now (``offload/memory.py``); a subclass may inject a figure."""
         return host_available_bytes()
 
     def device_available_bytes(self) -> int | None:
@@ -207,7 +207,7 @@ class ReferenceEngine(Engine):
     def close(self) -> None:
         self.target = None
         self.loaded = None
-        self._dflash = {}
+        self.decodings = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -220,7 +220,9 @@ class ReferenceEngine(Engine):
         wl = self.ctx.workload
         warm = self._requests(cell, wl.warmup_rounds, max_new=cell.block_size, stream=1, tag="warmup")
         timed = self._requests(cell, wl.requests, max_new=cell.max_new_tokens, stream=0, tag="r")
-        decoding, drafter_facts, drafter_load = self._load_decoding(cell)  # on the device before the check
+        decoding, drafter_facts, drafter_load = self.decodings.for_cell(
+            cell
+        )  # on the device before the check
         require_cell_device_memory(
             cell,
             self.store,
@@ -230,7 +232,7 @@ class ReferenceEngine(Engine):
             tokens=max(len(r.prompt) + r.max_new_tokens for r in warm + timed) + cell.block_size,
             available=self.device_available_bytes(),
         )
-        runtime, link = self._runtime(cell, capacity)
+        runtime, link = self.offload.runtime(cell, capacity)
         try:
             longest_prompt = max(len(r.prompt) for r in warm + timed)
             scheduler = scheduler_for(
@@ -304,94 +306,9 @@ class ReferenceEngine(Engine):
     def cache_capacity(self, cell: Cell) -> int:
         return expert_cache_capacity(cell, self.store, self.options, self.ctx.memory)
 
-    def _load_decoding(self, cell: Cell):
-        """``_decoding``, and the seconds it took when this cell trained or loaded the DFlash drafter."""
-        loaded_before = len(self._dflash)
-        start = time.perf_counter()
-        decoding, facts = self._decoding(cell)
-        seconds = time.perf_counter() - start
-        return decoding, facts, (seconds if len(self._dflash) > loaded_before else None)
-
-    def _decoding(self, cell: Cell):
-        """(decoding, drafter facts) of the cell: AR for B0, the configured drafter otherwise."""
-        temperature = self.ctx.workload.temperature
-        if not cell.speculative:
-            return AutoregressiveDecoding(temperature), None
-        if self.options.drafter == "early_exit":
-            drafter = EarlyExitDrafter(
-                self.target,
-                self.options.early_exit_layers,
-                route_ahead=configuration(cell.baseline).route_ahead,
-            )
-            return SpeculativeDecoding(drafter, cell.block_size, temperature), drafter.describe()
-        if self.loaded.source != "preset":  # a published DFlash drafter (models[].draft), dflash/published.py
-            if None not in self._dflash:
-                self._dflash[None] = load_published_drafter(
-                    self.ctx.model.draft,
-                    self.target.model,
-                    target_where=str(
-                        Path(self.loaded.card.get("checkpoint", self.loaded.name)) / "config.json"
-                    ),
-                    cache_dir=self.options.cache_dir,
-                )
-            return published_decoding(self._dflash[None], cell, temperature)
-        if cell.block_size not in self._dflash:  # a preset's drafter of this block size, trained on first use
-            self._dflash[cell.block_size] = load_drafter(
-                get_preset(self.loaded.name),
-                self.target.model,
-                block_size=cell.block_size,
-                seed=self.options.train_seed,
-                steps=self.options.drafter_train_steps,
-                cache_dir=self.options.cache_dir,
-            )
-        return published_decoding(self._dflash[cell.block_size], cell, temperature)
-
-    def _runtime(self, cell: Cell, capacity: int) -> tuple[OffloadRuntime, LinkFacts]:
-        opts = self.options
-        if not cell.offloaded:
-            link, facts = None, LinkFacts("none", probe_bytes_per_second=self.probe_bytes_per_second)
-        elif self.device.type == "cuda":
-            link, facts = (
-                CudaLink(self.device),
-                LinkFacts("real", probe_bytes_per_second=self.probe_bytes_per_second),
-            )
-        else:
-            gbps = emulated_gbps(cell, self.options)
-            link = HostLink(gbps, opts.emulated_latency_us)
-            facts = LinkFacts(
-                link.kind,
-                emulated_gbps=gbps,
-                emulated_latency_us=opts.emulated_latency_us if gbps else None,
-            )
-        cache = ExpertCache(
-            self.store, capacity, self.device, self.compute_dtype, policy=opts.eviction, link=link
-        )
-        prefetcher = None
-        if configuration(cell.baseline).route_ahead:
-            rate = self.link_bytes_per_second(cell)
-            width = CostAwareWidth(rate) if opts.verify_width == "cost_aware" and rate else None
-            prefetcher = RouteAheadPrefetcher(
-                self.target,
-                self.store.layer_ids,
-                self.top_k,
-                history=opts.route_ahead_history,
-                width=width,
-                expert_nbytes=self.store.expert_nbytes,
-            )
-        elif opts.prefetcher == "activation_aware":
-            # Resident (B3): observe-only, so its prediction quality is on the same scale as the offloaded ones'.
-            prefetcher = ActivationAwarePrefetcher(
-                self.store.layer_ids, self.store.num_experts, self.top_k, issue=cell.offloaded
-            )
-        runtime = OffloadRuntime(self.store, cache, prefetcher)
-        runtime.attach(self.target.model)
-        self.target.sync_hook = runtime.synchronize
-        return runtime, facts
-
     def link_bytes_per_second(self, cell: Cell) -> float | None:
-        """``link_rate.link_bytes_per_second`` of this engine's device and store."""
-        cuda, probe = self.device.type == "cuda", self.probe_bytes_per_second
-        return link_bytes_per_second(cell, self.options, self.store.expert_nbytes, cuda=cuda, probe=probe)
+        """The link's rate for this cell as known before it runs (``offload/cell.py``)."""
+        return self.offload.link_bytes_per_second(cell)
 
     def _requests(self, cell: Cell, n: int, *, max_new: int, stream: int, tag: str) -> list[Request]:
         wl = self.ctx.workload

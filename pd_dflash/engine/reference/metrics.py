@@ -24,10 +24,10 @@ from pd_dflash.engine.measurement import (
     Rounds,
 )
 from pd_dflash.engine.reference import host_sync
-from pd_dflash.engine.reference.decode import Request
-from pd_dflash.engine.reference.offload import OffloadRuntime
-from pd_dflash.engine.reference.serving import RoundRecord
-from pd_dflash.engine.reference.transfer_overlap import transfer_overlap
+from pd_dflash.engine.reference.decoding.loop import RoundRecord
+from pd_dflash.engine.reference.decoding.target import Request
+from pd_dflash.engine.reference.offload.overlap import transfer_overlap
+from pd_dflash.engine.reference.offload.runtime import OffloadRuntime
 
 
 @dataclass
@@ -117,7 +117,7 @@ def absences(
 
 def hide_terms(rt: OffloadRuntime, overlap: dict[str, Any] | None) -> HideTerms:
     """The hide inequality's terms: accesses resident at round start, experts needed per round, the store, and
-    the transfer time inside the verify windows (on the host clock on both devices, ``transfer_overlap.py``;
+    the transfer time inside the verify windows (on the host clock on both devices, ``offload/overlap.py``;
     without a link (B3) nothing moves, so it is 0)."""
     c = rt.cache.counters
     return HideTerms(

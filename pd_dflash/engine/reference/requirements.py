@@ -1,7 +1,7 @@
 """The transformers the engine's forward needs, checked once at engine load.
 
-The engine passes ``cache=`` to ``create_causal_mask`` and to each attention module (``kv_arena.py``,
-``decode.py``): an API of transformers 5.24. On an older release the mask call raises a ``TypeError`` deep in
+The engine passes ``cache=`` to ``create_causal_mask`` and to each attention module (``decoding/kv_arena.py``,
+``decoding/target.py``): an API of transformers 5.24. On an older release the mask call raises a ``TypeError`` deep in
 the first cell, and the attention forward swallows ``cache=`` in ``**kwargs`` and never updates the KV cache (a
 silently wrong decode). A box with an older transformers (the lent GPU image ships 5.17) is refused at load,
 with the installed and the needed version and the fix, before anything runs.

@@ -4,11 +4,14 @@ A configuration (``pd_dflash/baselines.py``) is a choice of one implementation p
 
 | seam | implementations |
 |---|---|
-| ``Decoding`` | ``decode.AutoregressiveDecoding``, ``speculative.SpeculativeDecoding`` |
-| ``Drafter`` (speculative decoding's proposer) | ``dflash.source.DFlashSource`` (published layout: published and preset drafters), ``speculative.EarlyExitDrafter`` |
-| ``Prefetcher`` | ``prefetch.ActivationAwarePrefetcher`` (the AR prefetcher), ``route_prefetch.RouteAheadPrefetcher`` |
-| ``Admission`` | ``serving.AdmitAll``, ``admission.DeficitAdmission`` (token or 2-D deficit) |
-| ``Link`` (host→device) | ``link.HostLink`` (CPU: emulated or a plain copy), ``cuda_link.CudaLink`` |
+| ``Decoding`` | ``decoding/target.AutoregressiveDecoding``, ``decoding/speculative.SpeculativeDecoding`` |
+| ``Drafter`` (speculative decoding's proposer) | ``dflash/source.DFlashSource`` (published layout: published and preset drafters), ``decoding/speculative.EarlyExitDrafter`` |
+| ``Prefetcher`` | ``offload/prefetch.ActivationAwarePrefetcher`` (the AR prefetcher), ``offload/route_prefetch.RouteAheadPrefetcher`` |
+| ``Admission`` | ``decoding/loop.AdmitAll``, ``decoding/admission.DeficitAdmission`` (token or 2-D deficit) |
+| ``Link`` (host→device) | ``offload/link.HostLink`` (CPU: emulated or a plain copy), ``offload/cuda_link.CudaLink`` |
+
+Where a cell picks each one: ``decoding/cell.py`` (decoding, drafter), ``decoding/admission.py`` (admission),
+``offload/cell.py`` (link, prefetcher).
 
 Only the structure is declared here (``typing.Protocol``); each implementation documents its policy.
 """
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from pd_dflash.engine.reference.decode import Block, Commit, Request
+    from pd_dflash.engine.reference.decoding.target import Block, Commit, Request
 
 Key = tuple[int, int]  # (layer, expert)
 

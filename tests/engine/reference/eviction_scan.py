@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from pd_dflash.engine.reference.cache_plan import RoundPlan
-from pd_dflash.engine.reference.cache_replay import POLICIES, _advance_plan, _next_uses, accesses
-from pd_dflash.engine.reference.expert_cache import ExpertCache, _Entry
+from pd_dflash.engine.reference.offload.cache import ExpertCache, _Entry
+from pd_dflash.engine.reference.offload.eviction import RoundPlan
+from pd_dflash.engine.reference.offload.replay import POLICIES, _advance_plan, _next_uses, accesses
 
 Key = tuple[int, int]
 

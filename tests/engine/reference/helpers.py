@@ -9,14 +9,14 @@ import copy
 import torch
 
 from pd_dflash.engine.interface import EngineContext
-from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Request, TargetModel
-from pd_dflash.engine.reference.expert_cache import ExpertCache
-from pd_dflash.engine.reference.expert_store import HostExpertStore
+from pd_dflash.engine.reference.decoding.loop import run_requests
+from pd_dflash.engine.reference.decoding.target import AutoregressiveDecoding, Request, TargetModel
 from pd_dflash.engine.reference.families import family_of
-from pd_dflash.engine.reference.link import HostLink
-from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
-from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
-from pd_dflash.engine.reference.serving import run_requests
+from pd_dflash.engine.reference.offload.cache import ExpertCache
+from pd_dflash.engine.reference.offload.link import HostLink
+from pd_dflash.engine.reference.offload.prefetch import ActivationAwarePrefetcher
+from pd_dflash.engine.reference.offload.runtime import OffloadRuntime, install_offload
+from pd_dflash.engine.reference.offload.store import HostExpertStore
 from pd_dflash.engine.registry import engine_class
 from pd_dflash.spec import parse_spec
 

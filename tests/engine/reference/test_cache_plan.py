@@ -7,7 +7,9 @@ import time
 
 import torch
 
-from pd_dflash.engine.reference.cache_plan import (
+from pd_dflash.engine.reference.metrics import experts_moved_per_token
+from pd_dflash.engine.reference.offload.cache import ExpertCache
+from pd_dflash.engine.reference.offload.eviction import (
     COMPUTED,
     HISTORY,
     NOT_WANTED,
@@ -16,11 +18,9 @@ from pd_dflash.engine.reference.cache_plan import (
     Evictor,
     RoundPlan,
 )
-from pd_dflash.engine.reference.cache_replay import clairvoyant_in_time, replay
-from pd_dflash.engine.reference.expert_cache import ExpertCache
-from pd_dflash.engine.reference.link import HostLink
-from pd_dflash.engine.reference.metrics import experts_moved_per_token
-from pd_dflash.engine.reference.offload import OffloadRuntime
+from pd_dflash.engine.reference.offload.link import HostLink
+from pd_dflash.engine.reference.offload.replay import clairvoyant_in_time, replay
+from pd_dflash.engine.reference.offload.runtime import OffloadRuntime
 from tests.engine.reference.helpers import store
 
 CPU = torch.device("cpu")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pd_dflash.engine.reference.memory import cgroup_headroom, host_available_bytes, meminfo_headroom
+from pd_dflash.engine.reference.offload.memory import cgroup_headroom, host_available_bytes, meminfo_headroom
 
 GB = 10**9
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Request
+from pd_dflash.engine.reference.decoding.loop import run_requests
+from pd_dflash.engine.reference.decoding.speculative import EarlyExitDrafter, SpeculativeDecoding
+from pd_dflash.engine.reference.decoding.target import AutoregressiveDecoding, Request
 from pd_dflash.engine.reference.models import LoadedModel
-from pd_dflash.engine.reference.serving import run_requests
-from pd_dflash.engine.reference.speculative import EarlyExitDrafter, SpeculativeDecoding
 from tests.engine.reference.test_speculative import offloaded_runtime
 
 

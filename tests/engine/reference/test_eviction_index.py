@@ -1,4 +1,4 @@
-"""The eviction index (``cache_plan.Evictor``) against the scan it replaced (``eviction_scan.py``), on random
+"""The eviction index (``offload/eviction.Evictor``) against the scan it replaced (``eviction_scan.py``), on random
 traces: the same victims, so the same cache states and counters, for every policy, with pins, transfers still in
 flight, prefetches (speculative ones included), layer starts and round ends; the offline replay likewise; and
 route-ahead's issue queue against a sort of its keys."""
@@ -11,12 +11,12 @@ import random
 import pytest
 import torch
 
-from pd_dflash.engine.reference.cache_plan import NOT_WANTED, Evictor, RoundPlan
-from pd_dflash.engine.reference.cache_replay import POLICIES as REPLAY_POLICIES
-from pd_dflash.engine.reference.cache_replay import replay
-from pd_dflash.engine.reference.expert_cache import ExpertCache
-from pd_dflash.engine.reference.link import HostLink
-from pd_dflash.engine.reference.route_prefetch import IssueQueue
+from pd_dflash.engine.reference.offload.cache import ExpertCache
+from pd_dflash.engine.reference.offload.eviction import NOT_WANTED, Evictor, RoundPlan
+from pd_dflash.engine.reference.offload.link import HostLink
+from pd_dflash.engine.reference.offload.replay import POLICIES as REPLAY_POLICIES
+from pd_dflash.engine.reference.offload.replay import replay
+from pd_dflash.engine.reference.offload.route_prefetch import IssueQueue
 from tests.engine.reference.eviction_scan import ScanCache, choose, scan_replay
 from tests.engine.reference.helpers import SimClock, store
 

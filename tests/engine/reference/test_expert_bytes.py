@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd_dflash.engine.reference.expert_store import STORAGE_DTYPES, HostExpertStore
+from pd_dflash.engine.reference.offload.store import STORAGE_DTYPES, HostExpertStore
 
 EXPECTED = {
     "fp32": 78 * 4,

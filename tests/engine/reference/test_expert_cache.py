@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd_dflash.engine.reference.expert_cache import ExpertCache
-from pd_dflash.engine.reference.link import HostLink
+from pd_dflash.engine.reference.offload.cache import ExpertCache
+from pd_dflash.engine.reference.offload.link import HostLink
 from tests.engine.reference.helpers import store
 
 CPU = torch.device("cpu")

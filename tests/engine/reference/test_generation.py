@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd_dflash.engine.reference.decode import Block, Request
+from pd_dflash.engine.reference.decoding.target import Block, Request
 from pd_dflash.engine.reference.families import family_of
 from tests.engine.reference.helpers import eager_copy, generate, offloaded, prompts_for, runtime, tiny_model
 

@@ -15,7 +15,7 @@ from pd_dflash.engine.reference.checkpoints.progress import LoadProgress
 from pd_dflash.engine.reference.checkpoints.reads import expert_reads, parameter_reads, read_all
 from pd_dflash.engine.reference.checkpoints.store import arena_layers
 from pd_dflash.engine.reference.checkpoints.tiny import materialise
-from pd_dflash.engine.reference.expert_store import PAGE
+from pd_dflash.engine.reference.offload.store import PAGE
 
 CPU = torch.device("cpu")
 

@@ -9,14 +9,15 @@ import random
 import pytest
 import torch
 
-from pd_dflash.engine.reference import grouped, host_sync
-from pd_dflash.engine.reference.decode import Block, Request
-from pd_dflash.engine.reference.expert_cache import ExpertCache
+from pd_dflash.engine.reference import host_sync
+from pd_dflash.engine.reference.decoding.target import Block, Request
 from pd_dflash.engine.reference.families import family_of
-from pd_dflash.engine.reference.grouped import GATHERED_BMM, GROUPED_MM, LayerCompute
-from pd_dflash.engine.reference.link import HostLink
-from pd_dflash.engine.reference.offload import OffloadRuntime
-from pd_dflash.engine.reference.prefetch import ActivationAwarePrefetcher
+from pd_dflash.engine.reference.offload import grouped
+from pd_dflash.engine.reference.offload.cache import ExpertCache
+from pd_dflash.engine.reference.offload.grouped import GATHERED_BMM, GROUPED_MM, LayerCompute
+from pd_dflash.engine.reference.offload.link import HostLink
+from pd_dflash.engine.reference.offload.prefetch import ActivationAwarePrefetcher
+from pd_dflash.engine.reference.offload.runtime import OffloadRuntime
 from tests.engine.reference.helpers import eager_copy, generate, offloaded, prompts_for, runtime, tiny_model
 
 CPU = torch.device("cpu")
@@ -100,7 +101,9 @@ def test_the_fallback_gives_the_same_greedy_tokens(micro, monkeypatch):
     prompts = prompts_for(model.config.vocab_size, n=3, length=10, seed=4)
     target, store = offloaded(model)
     want, _ = generate(target, runtime(target, store, fraction=0.3, gbps=None), prompts, 12, 2)
-    monkeypatch.setattr("pd_dflash.engine.reference.slot_pool.expert_compute_kind", lambda pool: GATHERED_BMM)
+    monkeypatch.setattr(
+        "pd_dflash.engine.reference.offload.slot_pool.expert_compute_kind", lambda pool: GATHERED_BMM
+    )
     rt = runtime(target, store)
     assert rt.cache.slots.expert_compute == GATHERED_BMM
     got, _ = generate(target, rt, prompts, 12, 2)
@@ -213,7 +216,7 @@ def test_cuda_grouped_experts_and_landing_dequant_match_the_cpu_without_host_syn
     experts = family.experts_module(eager_copy(model).model.layers[1])
     _, store = offloaded(model, storage)
     device = torch.device("cuda:0")
-    from pd_dflash.engine.reference.cuda_link import CudaLink
+    from pd_dflash.engine.reference.offload.cuda_link import CudaLink
 
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(33, 64, generator=g).to(device, torch.bfloat16)

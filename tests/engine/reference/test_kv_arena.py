@@ -1,4 +1,4 @@
-"""Attention batched across the blocks of a round on the KV arena (``kv_arena.py``): one attention-module call per
+"""Attention batched across the blocks of a round on the KV arena (``decoding/kv_arena.py``): one attention-module call per
 layer gives each block what it gets alone (bit for bit), the MoE sees the real rows only, the arena is allocated once per cell and
 rollback is length bookkeeping, and the ops of a forward do not grow with the number of blocks."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Block, Request, TargetModel
+from pd_dflash.engine.reference.decoding.loop import RoundHooks, run_requests
+from pd_dflash.engine.reference.decoding.speculative import EarlyExitDrafter, SpeculativeDecoding
+from pd_dflash.engine.reference.decoding.target import AutoregressiveDecoding, Block, Request, TargetModel
 from pd_dflash.engine.reference.families import family_of
-from pd_dflash.engine.reference.serving import RoundHooks, run_requests
-from pd_dflash.engine.reference.speculative import EarlyExitDrafter, SpeculativeDecoding
 from tests.engine.reference.helpers import tiny_model
 
 CPU = torch.device("cpu")

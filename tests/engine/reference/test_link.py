@@ -1,6 +1,6 @@
 """The link's policy on the CPU's emulated link, on a simulated clock so every time is exact.
 
-The policy (``link.py``) is the CUDA link's: demand copies on their own stream, at most ``window`` prefetches
+The policy (``offload/link.py``) is the CUDA link's: demand copies on their own stream, at most ``window`` prefetches
 on the prefetch stream with the rest queued on the host, a prefetch issued after demand copies waits for them,
 the two streams share the bandwidth, and ``promote`` re-issues a queued prefetch on the demand stream. 1000 B
 take 1 s on these links.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd_dflash.engine.reference.link import HostLink
+from pd_dflash.engine.reference.offload.link import HostLink
 from tests.engine.reference.helpers import SimClock
 
 GBPS = 1000 / 1e9  # 1000 B per second

@@ -8,8 +8,8 @@ import torch
 
 from pd_dflash.engine.interface import EngineContext, Refused
 from pd_dflash.engine.reference.engine import ReferenceEngine
-from pd_dflash.engine.reference.expert_store import HostArena, HostExpertStore
-from pd_dflash.engine.reference.memory import DEVICE_HEADROOM_BYTES, host_available_bytes
+from pd_dflash.engine.reference.offload.memory import DEVICE_HEADROOM_BYTES, host_available_bytes
+from pd_dflash.engine.reference.offload.store import HostArena, HostExpertStore
 from pd_dflash.schema import Status
 from pd_dflash.spec import expand
 from tests.engine.reference.helpers import make_spec
@@ -119,7 +119,7 @@ def test_a_runner_needs_its_experts_as_stored_and_its_other_weights_in_host_memo
     import shutil
 
     from pd_dflash.engine.reference.checkpoints.tiny import materialise
-    from pd_dflash.engine.reference.host_memory import runner_host_memory_bytes
+    from pd_dflash.engine.reference.offload.host_memory import runner_host_memory_bytes
     from pd_dflash.spec import ModelSpec
     from tests.engine.reference.helpers import tiny_model
 

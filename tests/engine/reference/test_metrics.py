@@ -34,9 +34,9 @@ from pd_dflash.engine.measurement import (
     round_samples,
 )
 from pd_dflash.engine.reference import metrics
-from pd_dflash.engine.reference.expert_cache import CacheCounters
+from pd_dflash.engine.reference.decoding.loop import RoundRecord
 from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts
-from pd_dflash.engine.reference.serving import RoundRecord
+from pd_dflash.engine.reference.offload.cache import CacheCounters
 from pd_dflash.engine.request_metrics import RequestTiming
 from pd_dflash.engine.route_ahead import RouteAheadStats
 from pd_dflash.schema import Status
@@ -92,7 +92,7 @@ def route_stats(nbytes: bool = True) -> RouteAheadStats:
     return stats
 
 
-#: The cache's slot pool as the facts read it (``slot_pool.py``).
+#: The cache's slot pool as the facts read it (``offload/slot_pool.py``).
 SLOTS = SimpleNamespace(expert_compute="grouped_mm", direct=True, device_slot_nbytes=NBYTES)
 
 
@@ -485,7 +485,7 @@ def overlap_rounds() -> list[RoundRecord]:
 
 
 def test_transfer_overlap_by_hand():
-    from pd_dflash.engine.reference.transfer_overlap import compute_windows, transfer_overlap
+    from pd_dflash.engine.reference.offload.overlap import compute_windows, transfer_overlap
 
     windows = compute_windows(overlap_rounds(), LINK.stall_log)
     assert windows == {

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from pd_dflash.engine.reference.decode import Block, Request, TargetModel
-from pd_dflash.engine.reference.expert_cache import ExpertCache
+from pd_dflash.engine.reference.decoding.target import Block, Request, TargetModel
 from pd_dflash.engine.reference.families import family_of
-from pd_dflash.engine.reference.link import HostLink
-from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
-from pd_dflash.engine.reference.route_prefetch import RouteAheadPrefetcher
+from pd_dflash.engine.reference.offload.cache import ExpertCache
+from pd_dflash.engine.reference.offload.link import HostLink
+from pd_dflash.engine.reference.offload.route_prefetch import RouteAheadPrefetcher
+from pd_dflash.engine.reference.offload.runtime import OffloadRuntime, install_offload
 from tests.engine.reference.helpers import tiny_model
 
 CPU = torch.device("cpu")

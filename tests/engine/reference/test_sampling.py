@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pd_dflash.engine.reference.sampling import (
+from pd_dflash.engine.reference.decoding.sampling import (
     PAD_TOKEN,
     greedy_accept,
     probabilities,

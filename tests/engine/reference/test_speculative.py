@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from pd_dflash.engine.interface import Refused
-from pd_dflash.engine.reference.decode import AutoregressiveDecoding, Block, Request, TargetModel
-from pd_dflash.engine.reference.expert_cache import ExpertCache
+from pd_dflash.engine.reference.decoding.loop import run_requests
+from pd_dflash.engine.reference.decoding.speculative import EarlyExitDrafter, SpeculativeDecoding
+from pd_dflash.engine.reference.decoding.target import AutoregressiveDecoding, Block, Request, TargetModel
 from pd_dflash.engine.reference.families import family_of
-from pd_dflash.engine.reference.link import HostLink
-from pd_dflash.engine.reference.offload import OffloadRuntime, install_offload
+from pd_dflash.engine.reference.offload.cache import ExpertCache
+from pd_dflash.engine.reference.offload.link import HostLink
+from pd_dflash.engine.reference.offload.runtime import OffloadRuntime, install_offload
 from pd_dflash.engine.reference.presets.catalog import get_preset
 from pd_dflash.engine.reference.presets.drafters import load_drafter
-from pd_dflash.engine.reference.serving import run_requests
-from pd_dflash.engine.reference.speculative import EarlyExitDrafter, SpeculativeDecoding
 from pd_dflash.engine.registry import blocked_reason
 from pd_dflash.errors import InputError
 from pd_dflash.schema import Row, Status

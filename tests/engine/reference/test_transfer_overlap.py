@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd_dflash.engine.reference.expert_cache import ExpertCache
-from pd_dflash.engine.reference.link import HostLink
-from pd_dflash.engine.reference.serving import RoundRecord
-from pd_dflash.engine.reference.spans import SpanUnion, merge, subtract, union_seconds
-from pd_dflash.engine.reference.transfer_overlap import transfer_overlap
+from pd_dflash.engine.reference.decoding.loop import RoundRecord
+from pd_dflash.engine.reference.offload.cache import ExpertCache
+from pd_dflash.engine.reference.offload.link import HostLink
+from pd_dflash.engine.reference.offload.overlap import transfer_overlap
+from pd_dflash.engine.reference.offload.spans import SpanUnion, merge, subtract, union_seconds
 from tests.engine.reference.helpers import SimClock, store
 
 

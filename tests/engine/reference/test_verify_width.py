@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pd_dflash.engine.reference.admission import ByteRate, DeficitAdmission
-from pd_dflash.engine.reference.verify_width import CostAwareWidth, new_bytes_per_row
-from pd_dflash.engine.scheduling import TwoDimDeficitScheduler, VerifyDemand
+from pd_dflash.engine.reference.decoding.admission import ByteRate, DeficitAdmission
+from pd_dflash.engine.reference.decoding.deficit import TwoDimDeficitScheduler, VerifyDemand
+from pd_dflash.engine.reference.decoding.verify_width import CostAwareWidth, new_bytes_per_row
 
 
 def test_survival_counts_a_cut_block_only_for_the_rows_it_verified():

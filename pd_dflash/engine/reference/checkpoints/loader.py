@@ -34,8 +34,8 @@ from pd_dflash.engine.reference.checkpoints.store import (
     store_bytes,
 )
 from pd_dflash.engine.reference.families import MoEFamily, family_of
-from pd_dflash.engine.reference.memory import module_bytes, require
-from pd_dflash.engine.reference.offload import OffloadedExperts
+from pd_dflash.engine.reference.offload.memory import module_bytes, require
+from pd_dflash.engine.reference.offload.runtime import OffloadedExperts
 from pd_dflash.errors import InputError
 from pd_dflash.schema import Status
 

@@ -2,12 +2,12 @@
 
 Each MoE layer is one ``[E, expert_nbytes]`` byte tensor: expert e's parts (``ExpertLayout.parts``: bf16
 weights, or MXFP4 blocks + scales + biases) lie back to back in row e, exactly as many bytes as the checkpoint
-stores, so one expert is ONE host→device copy. The layers are views of one ``HostArena`` (``expert_store.py``:
+stores, so one expert is ONE host→device copy. The layers are views of one ``HostArena`` (``offload/store.py``:
 allocated once from the total, pinned in place once filled on CUDA — no per-tensor pinned allocations, which
 torch rounds up to powers of two). The loader reads the files straight into the parts' views; nothing is
 converted on the host. On the device a slot's bytes are viewed as the parts again: as is when they are the
 compute dtype (``compute_views``: the slot pool views the bytes), else dequantised once when they land (MXFP4 →
-the compute dtype, ``expert_cache.py``).
+the compute dtype, ``offload/cache.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from pd_dflash.engine.reference.checkpoints import mxfp4
 from pd_dflash.engine.reference.checkpoints.layouts import ExpertLayout
-from pd_dflash.engine.reference.expert_store import PAGE, HostArena, HostExpertStore
+from pd_dflash.engine.reference.offload.store import PAGE, HostArena, HostExpertStore
 
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8}
 _MADV_POPULATE_WRITE = 23  # Linux ≥ 5.14

@@ -16,7 +16,7 @@ What one draft computes (the official ``dflash`` package's ``DFlashDraftModel``,
 The drafter KV holds the context rows of every committed position (cache index = position). Each draft writes
 its new context rows and the block rows, attends, and crops the block rows again, as the official loop does, so
 rejected drafts never enter the KV. The linear layers run once over the rows of all c requests; attention runs
-per request on its own KV (the target's verify batches its attention instead: ``kv_arena.py``).
+per request on its own KV (the target's verify batches its attention instead: ``decoding/kv_arena.py``).
 
 ``teacher_forced`` is the same computation for training (differentiable, no KV): a batch of sequences with the
 target's features at every position and a set of anchors, each block seeing the context rows before its anchor.

@@ -13,11 +13,11 @@ from torch import nn
 
 from pd_dflash.baselines import configuration
 from pd_dflash.engine.interface import Refused
+from pd_dflash.engine.reference.decoding.speculative import SpeculativeDecoding
 from pd_dflash.engine.reference.dflash.config import TINY_DRAFTER, resolve_drafter
 from pd_dflash.engine.reference.dflash.load import load_dflash_drafter
 from pd_dflash.engine.reference.dflash.model import DFlashDrafter
 from pd_dflash.engine.reference.dflash.source import DFlashSource
-from pd_dflash.engine.reference.speculative import SpeculativeDecoding
 from pd_dflash.errors import InputError
 from pd_dflash.schema import Status
 from pd_dflash.spec import Cell

@@ -1,4 +1,4 @@
-"""A published DFlash drafter behind the decode loop's drafter seam (``SpeculativeDecoding`` in speculative.py).
+"""A published DFlash drafter behind the decode loop's drafter seam (``SpeculativeDecoding`` in decoding/speculative.py).
 
 - ``capture``: the verify forward keeps the target's hidden states after the drafter's ``target_layer_ids``
   (HF ``hidden_states[id + 1]``: the decoder layer's output; the last layer's is after the final norm, as HF
@@ -9,7 +9,7 @@
   KV there (block rows cropped), so rejected drafts never reach it. The KV is dropped when the request is done.
 
 With ``route_ahead`` each block also carries the drafter's last hidden state of every block row (before its final
-norm: a residual stream of the target's width) as the proxy of the target's deeper gate inputs (route_prefetch.py).
+norm: a residual stream of the target's width) as the proxy of the target's deeper gate inputs (offload/route_prefetch.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from pd_dflash.engine.reference import host_sync
-from pd_dflash.engine.reference.decode import Block, Request
+from pd_dflash.engine.reference.decoding.sampling import probabilities, sample
+from pd_dflash.engine.reference.decoding.target import Block, Request
 from pd_dflash.engine.reference.dflash.model import DFlashDrafter, DraftKV, DraftRows
-from pd_dflash.engine.reference.sampling import probabilities, sample
 
 
 class DFlashSource:

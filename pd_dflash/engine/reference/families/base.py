@@ -4,7 +4,7 @@ tiny checkpoints need to know about a transformers 5.x MoE family, and nothing e
 Experts are fused 3-D tensors (``experts.gate_up_proj[e]`` is one expert's contiguous slice). Each family's
 expert compute mirrors its *eager* experts forward operation for operation — ``expert_fn`` for one expert's
 tensors, ``grouped_fn`` over the cache's slot pool for every routed (token, k) pair of a layer at once
-(``grouped.py``: one grouped GEMM per projection) — so offloaded experts give the same bits as the model's own
+(``offload/grouped.py``: one grouped GEMM per projection) — so offloaded experts give the same bits as the model's own
 eager path (tested against ``generate``).
 
 The defaults here are the transformers MoE conventions most families share (router ``gate``, fused SwiGLU
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from pd_dflash.engine.reference.grouped import GroupedFn
+    from pd_dflash.engine.reference.offload.grouped import GroupedFn
 
     ExpertFn = Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor]
 

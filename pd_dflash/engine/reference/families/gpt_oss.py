@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from pd_dflash.engine.reference.families.base import ExpertFn
-    from pd_dflash.engine.reference.grouped import GroupedFn
+    from pd_dflash.engine.reference.offload.grouped import GroupedFn
 
 _SPECIALS = ["<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|return|>", "<|channel|>"]
 HARMONY_TEMPLATE = (

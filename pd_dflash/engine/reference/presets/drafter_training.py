@@ -34,12 +34,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pd_dflash.engine.reference.decoding.sampling import (
+    greedy_accept,
+    probabilities,
+    sample,
+    speculative_sample,
+)
 from pd_dflash.engine.reference.dflash.config import parse_drafter_config
 from pd_dflash.engine.reference.dflash.load import build_drafter
 from pd_dflash.engine.reference.dflash.model import DFlashDrafter
 from pd_dflash.engine.reference.dflash.tiny import tiny_drafter_config
 from pd_dflash.engine.reference.presets.training import fit
-from pd_dflash.engine.reference.sampling import greedy_accept, probabilities, sample, speculative_sample
 
 #: The q/k RMS norms' initial scale. At 1, a head's attention logits are at most head_dim^0.5 (4 at head_dim 16),
 #: too flat to single out one context position among dozens; 2 lets a head attend sharply from the start, which

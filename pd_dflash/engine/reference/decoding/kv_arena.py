@@ -126,7 +126,7 @@ class Layout:
 def build_layout(
     arena: KVArena, blocks, windows: set[int | None], eager: bool, pinned: bool, inner
 ) -> Layout:
-    """The round's layout from its blocks (``decode.Block``): one host→device copy, then the masks on device."""
+    """The round's layout from its blocks (``target.Block``): one host→device copy, then the masks on device."""
     lens = [len(b.tokens) for b in blocks]
     starts = [b.request.cached for b in blocks]
     n, rows = len(blocks), max(lens)

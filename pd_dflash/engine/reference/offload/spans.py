@@ -1,7 +1,7 @@
 """Intervals on the host clock: unions, differences and coverage (pure Python, no torch).
 
 Transfer time is the union of transfer spans, never their sum: two streams copying at once share the link, so
-a sum would count the shared time twice. The same helpers give the BM4 overlap (``transfer_overlap.py``).
+a sum would count the shared time twice. The same helpers give the BM4 overlap (``offload/overlap.py``).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 ``TargetModel`` drives a transformers MoE causal LM layer by layer over the blocks of a round: embeddings, then
 per decoder layer ONE attention-module call over the concatenated rows of every block (each request's KV lives
-in a row of the preallocated KV arena, ``kv_arena.py``) and the MoE block ONCE over the same rows (the experts
+in a row of the preallocated KV arena, ``decoding/kv_arena.py``) and the MoE block ONCE over the same rows (the experts
 fetched are the union over the verified requests), then norm + LM head once over the rows the blocks need. ``AutoregressiveDecoding`` proposes width-1 blocks and commits one token per round
-(``speculative.py`` holds the speculative counterpart); the step loop that drives both is ``serving.py``.
+(``decoding/speculative.py`` holds the speculative counterpart); the step loop that drives both is ``decoding/loop.py``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pd_dflash.engine.reference import host_sync
-from pd_dflash.engine.reference.families import MoEFamily
-from pd_dflash.engine.reference.kv_arena import (
+from pd_dflash.engine.reference.decoding.kv_arena import (
     ARENA_ATTENTION,
     ArenaCache,
     KVArena,
@@ -29,7 +28,8 @@ from pd_dflash.engine.reference.kv_arena import (
     Layout,
     build_layout,
 )
-from pd_dflash.engine.reference.sampling import probabilities, sample
+from pd_dflash.engine.reference.decoding.sampling import probabilities, sample
+from pd_dflash.engine.reference.families import MoEFamily
 from pd_dflash.engine.request_metrics import RequestTiming
 
 
@@ -127,7 +127,7 @@ class TargetModel:
         )
         #: Each layer's attention window (None: full causal), as transformers' mask builders read the config.
         self.windows = family.attention_windows(config)
-        #: Every request's KV cache: one preallocated arena (``kv_arena.py``), a row per request in flight.
+        #: Every request's KV cache: one preallocated arena (``decoding/kv_arena.py``), a row per request in flight.
         self.arena = KVArena(model, device)
         #: How the host waits for compute (set per cell to the offload runtime's, which keeps the link's
         #: prefetch queue moving meanwhile); None: the compute stream alone.

@@ -1,6 +1,6 @@
 """The host→device link that moves experts into cache slots: one interface, one policy, two devices.
 
-**The policy** (``CudaLink`` in ``cuda_link.py`` does it with CUDA streams and events; the CPU ``HostLink``
+**The policy** (``CudaLink`` in ``offload/cuda_link.py`` does it with CUDA streams and events; the CPU ``HostLink``
 here emulates the same):
 
 - Two streams share the link. A *demand* transfer (compute needs the expert now) goes on the demand stream at
@@ -92,7 +92,7 @@ class Transfer:
 
 
 class Link(Protocol):
-    """What the expert cache asks of a host→device link (``HostLink`` here, ``CudaLink`` in cuda_link.py)."""
+    """What the expert cache asks of a host→device link (``HostLink`` here, ``CudaLink`` in offload/cuda_link.py)."""
 
     #: "real" (CUDA), "emulated" (CPU pacing), "host" (an un-emulated CPU host-to-host copy).
     kind: str

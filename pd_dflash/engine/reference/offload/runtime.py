@@ -1,5 +1,5 @@
 """Offloaded MoE layers: each model's experts module is replaced by ``OffloadedExperts``, which computes a layer's
-routed experts over the device cache's slot pool (``grouped.py``: one grouped GEMM per projection, a constant
+routed experts over the device cache's slot pool (``offload/grouped.py``: one grouped GEMM per projection, a constant
 number of ops however many experts the layer routes to), and an ``OffloadRuntime`` (one per cell) that owns the
 cache, the prefetcher and the prediction statistics and is driven by the decode loop's round hooks.
 
@@ -15,7 +15,7 @@ Per MoE layer:
   runs over all of them. A cache smaller than the layer's union computes it in as few chunks as its slots allow
   (acquire what fits, compute, release, repeat).
 
-Outputs are bit-identical to the eager experts module (``grouped.py``), resident or offloaded, whatever slots the
+Outputs are bit-identical to the eager experts module (``offload/grouped.py``), resident or offloaded, whatever slots the
 experts occupy.
 """
 
@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from pd_dflash.engine.reference import host_sync
-from pd_dflash.engine.reference.expert_cache import ExpertCache
-from pd_dflash.engine.reference.expert_store import HostExpertStore
 from pd_dflash.engine.reference.families import MoEFamily, num_experts
-from pd_dflash.engine.reference.grouped import GroupedFn, LayerCompute
+from pd_dflash.engine.reference.offload.cache import ExpertCache
+from pd_dflash.engine.reference.offload.grouped import GroupedFn, LayerCompute
+from pd_dflash.engine.reference.offload.store import HostExpertStore
 from pd_dflash.engine.route_ahead import RouteAheadStats
 
 
@@ -169,7 +169,7 @@ class OffloadRuntime:
     def synchronize(self, event=None) -> None:
         """The target's wait at the end of a forward or a draft (``TargetModel.sync_hook``; counted, site
         ``forward_end``): block the host until the compute stream (or ``event``) has finished, never the whole
-        device (the link keeps its prefetch queue moving meanwhile, ``link.py``). The resident layers' routing of
+        device (the link keeps its prefetch queue moving meanwhile, ``offload/link.py``). The resident layers' routing of
         the forward comes to the host inside this wait (one transfer) and is accounted for right after."""
         copy = self._copy_deferred()
         host_sync.wait("forward_end", lambda: self._block(event))

@@ -1,6 +1,6 @@
-"""``CudaLink``: the link of ``link.py`` (its policy and interface are documented there) on a CUDA device.
+"""``CudaLink``: the link of ``offload/link.py`` (its policy and interface are documented there) on a CUDA device.
 
-Two copy streams from pinned host memory (the arena of ``expert_store.py``): demand copies on one, at most
+Two copy streams from pinned host memory (the arena of ``offload/store.py``): demand copies on one, at most
 ``window`` prefetches on the other with the rest queued on the host, each prefetch issued after a demand copy
 waiting for the event recorded after it. Every call pumps the host queue (retires landed prefetches, issues
 the next), and so does every host wait that goes through the link (``synchronize``, ``host_wait``): while
@@ -19,11 +19,11 @@ from collections import deque
 import torch
 
 from pd_dflash.engine.nvtx_ranges import nvtx_range
-from pd_dflash.engine.reference.link import PREFETCH_WINDOW, Transfer
+from pd_dflash.engine.reference.offload.link import PREFETCH_WINDOW, Transfer
 
 
 class CudaLink:
-    """Real host→device transfers on two CUDA copy streams from pinned host memory (the policy of ``link.py``)."""
+    """Real host→device transfers on two CUDA copy streams from pinned host memory (the policy of ``offload/link.py``)."""
 
     kind = "real"
 

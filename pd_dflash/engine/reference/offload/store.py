@@ -2,7 +2,7 @@
 
 Bytes are counted from what is stored — Σ numel × element_size of an expert's payload, scales included —
 never from a nominal figure. fp8 storage is e4m3 with one fp32 scale per expert and weight matrix
-(amax / 448), dequantized once, when it lands in a device cache slot (``expert_cache.py``); 1-D tensors (gpt-oss
+(amax / 448), dequantized once, when it lands in a device cache slot (``offload/cache.py``); 1-D tensors (gpt-oss
 biases) stay in bf16 under fp8.
 
 **The arena** (``HostArena``) is the one place the host store gets its memory, pinned or not. Its API, for any
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pd_dflash.engine.reference.memory import require
+from pd_dflash.engine.reference.offload.memory import require
 
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,

@@ -1,6 +1,6 @@
 """BM4 from the engine's own timestamps: how much of each host→device transfer ran while compute was running.
 
-One basis on both devices: every transfer span and every compute stall is on the host clock (``link.py``: the
+One basis on both devices: every transfer span and every compute stall is on the host clock (``offload/link.py``: the
 CPU link's emulated timeline; CUDA events placed through a per-synchronization reference event), and so are
 the rounds' compute windows. A transfer hides behind compute only while compute is not itself waiting for a
 transfer, so each window kind (draft, router, verify) is the union of its rounds' windows minus the intervals
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pd_dflash.engine.reference.spans import Interval, covered, merge, subtract, union_seconds
+from pd_dflash.engine.reference.offload.spans import Interval, covered, merge, subtract, union_seconds
 
 if TYPE_CHECKING:
-    from pd_dflash.engine.reference.serving import RoundRecord
+    from pd_dflash.engine.reference.decoding.loop import RoundRecord
 
 #: The compute windows a transfer can hide behind.
 COMPUTE_KINDS = ("draft", "router", "verify")

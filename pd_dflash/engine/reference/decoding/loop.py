@@ -17,7 +17,7 @@ A step (``run_requests``):
    the concatenated tokens of all requests (the experts fetched are the union over the verified requests), then
    norm + LM head on the rows each block needs;
 7. ``decoding.commit`` — the accept rule: committed tokens and kept rows (rejected rows are rolled back: the
-   request's KV length drops, ``kv_arena.py``);
+   request's KV length drops, ``decoding/kv_arena.py``);
 8. ``hooks.end_round(kept_spans)``; finished requests leave and free their KV arena row.
 
 A round is a step that ran a forward; its record carries the draft, router, issue and verify times and their
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pd_dflash.engine.nvtx_ranges import nvtx_range
-from pd_dflash.engine.reference.decode import Block, Commit, Request, TargetModel
+from pd_dflash.engine.reference.decoding.target import Block, Commit, Request, TargetModel
 
 #: A scheduler that admits nothing this many steps in a row is broken (liveness is proven for the deficit
 #: schedulers; this only turns a bug into an error instead of a hang).

@@ -1,7 +1,7 @@
 """The device expert cache's memory: a slot pool, the stored-format slot buffers and the slot table.
 
 - ``pool``: one ``[slots, ...]`` tensor per compute tensor of an expert (``tensor_names`` order, compute dtype):
-  what ``grouped.py`` multiplies with, all slots at once.
+  what ``offload/grouped.py`` multiplies with, all slots at once.
 - ``buffers`` / ``slot_views``: the slots in the stored format (``store.spec``), what a transfer writes. When the
   storage IS the compute format (``direct``: fp32/bf16 experts computed at their dtype), the pool views these
   bytes and there is nothing else. Otherwise (fp8, MXFP4) each landing is dequantised ONCE into the pool slot
@@ -12,7 +12,7 @@
   is next read (a MoE layer's compute), so a layer's fetches cost one small host→device copy, not an op each.
 
 Device bytes per slot (``device_slot_nbytes``) are reported as they are; the cache's capacity counts stored bytes
-(``expert_cache.py``).
+(``offload/cache.py``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import torch
 
-from pd_dflash.engine.reference.expert_store import HostExpertStore
-from pd_dflash.engine.reference.grouped import expert_compute_kind
 from pd_dflash.engine.reference.host_sync import to_device
+from pd_dflash.engine.reference.offload.grouped import expert_compute_kind
+from pd_dflash.engine.reference.offload.store import HostExpertStore
 
 
 class SlotPool:
@@ -46,7 +46,7 @@ class SlotPool:
             (max(store.layer_ids) + 1, store.num_experts), -1, dtype=torch.long, device=device
         )
         self._writes: dict[tuple[int, int], int] = {}  # (layer, expert) → slot, not yet on the device
-        #: ``grouped_mm`` or the named fallback (``grouped.py``): the row's ``engine.expert_compute``.
+        #: ``grouped_mm`` or the named fallback (``offload/grouped.py``): the row's ``engine.expert_compute``.
         self.expert_compute = expert_compute_kind(self.pool)
         self.device_slot_nbytes = store.device_slot_nbytes(dtype, linked=linked)
 

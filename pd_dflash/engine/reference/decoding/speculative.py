@@ -1,7 +1,7 @@
 """Speculative decoding on the decode loop's seams: a drafter proposes ``[anchor, d1 .. d_{B−1}]`` per request,
 one batched width-B target forward verifies every block, the accept rule commits a prefix plus the bonus token,
 and the rejected rows are rolled back: the request's KV length drops (``request.cached -= n``; the KV arena
-stores entries at their positions, so entries past the length are dead, ``kv_arena.py``).
+stores entries at their positions, so entries past the length are dead, ``decoding/kv_arena.py``).
 
 Two drafters:
 
@@ -15,7 +15,7 @@ Two drafters:
   accesses, but feed neither the prediction statistics nor the AR prefetcher).
 
 Both also leave the route-ahead proxy on the block (``Block.route_hidden`` / ``Block.gate_inputs``; the choice of
-proxy is documented in route_prefetch.py). Lossless at T = 0: the committed tokens are the target's argmax
+proxy is documented in offload/route_prefetch.py). Lossless at T = 0: the committed tokens are the target's argmax
 (``greedy_accept``), so the output is greedy AR decoding's, token for token (tested for every configuration).
 At T > 0, ``speculative_sample`` with each request's own generator.
 """
@@ -28,8 +28,13 @@ from collections.abc import Sequence
 import torch
 
 from pd_dflash.engine.reference import host_sync
-from pd_dflash.engine.reference.decode import Block, Commit, Request, TargetModel, next_token
-from pd_dflash.engine.reference.sampling import greedy_accept, probabilities, sample, speculative_sample
+from pd_dflash.engine.reference.decoding.sampling import (
+    greedy_accept,
+    probabilities,
+    sample,
+    speculative_sample,
+)
+from pd_dflash.engine.reference.decoding.target import Block, Commit, Request, TargetModel, next_token
 
 
 class SpeculativeDecoding:

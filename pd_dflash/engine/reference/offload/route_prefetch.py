@@ -25,7 +25,7 @@ every deeper layer of both mini presets. The row reports the recall reached (cov
 predicts from the router pass alone.
 
 **Issue as soon as the information exists**, in layer order, each key reserved in the cache's round plan
-(``cache_plan.py``: a reserved key of a layer still to run is never evicted by a prefetch):
+(``offload/eviction.py``: a reserved key of a layer still to run is never evicted by a prefetch):
 
 1. at the end of a verify (``end_round``), each continuing request's history — its non-resident keys go on the
    link while the next block is drafted;
@@ -53,8 +53,8 @@ import torch
 
 from pd_dflash.engine.nvtx_ranges import nvtx_range
 from pd_dflash.engine.reference import host_sync
-from pd_dflash.engine.reference.decode import Block, TargetModel
-from pd_dflash.engine.reference.verify_width import CostAwareWidth, new_bytes_per_row
+from pd_dflash.engine.reference.decoding.target import Block, TargetModel
+from pd_dflash.engine.reference.decoding.verify_width import CostAwareWidth, new_bytes_per_row
 
 Key = tuple[int, int]
 
@@ -77,9 +77,9 @@ class RouteAheadPrefetcher:
     ) -> None:
         layers = target.model.model.layers
         self.target, self.top_k, self.issue, self.use_history = target, top_k, issue, history
-        #: The verify resumes from the router pass's first-layer work (``decode.Prefix``) instead of redoing it.
+        #: The verify resumes from the router pass's first-layer work (``decoding/target.Prefix``) instead of redoing it.
         self.reuse_prefix = reuse_prefix
-        #: Cost-aware verify width (``verify_width.py``), or None: every block is verified whole.
+        #: Cost-aware verify width (``decoding/verify_width.py``), or None: every block is verified whole.
         self.width, self.expert_nbytes = width, expert_nbytes
         self.layer_ids = list(layer_ids)
         self.position = {layer: i for i, layer in enumerate(self.layer_ids)}
@@ -300,7 +300,7 @@ class RouteAheadPrefetcher:
 
     # -- internals ---------------------------------------------------------------------------------------------
     def _cut(self, block: Block, cache) -> None:
-        """Verify only the rows worth their new experts (``verify_width.py``); lossless."""
+        """Verify only the rows worth their new experts (``decoding/verify_width.py``); lossless."""
         rid = block.request.rid
         rows = self.row_keys[rid]
         keep = self.width.width(new_bytes_per_row(rows, cache.contains, self.expert_nbytes, cache.num_slots))

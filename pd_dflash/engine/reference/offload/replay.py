@@ -19,7 +19,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
-from pd_dflash.engine.reference.cache_plan import Evictor, RoundPlan
+from pd_dflash.engine.reference.offload.eviction import Evictor, RoundPlan
 
 Key = tuple[int, int]
 Layer = tuple[int, Sequence[int], Sequence[int]]

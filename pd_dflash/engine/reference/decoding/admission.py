@@ -1,4 +1,4 @@
-"""The deficit schedulers (``pd_dflash/engine/scheduling.py``) on the decode loop's scheduler seam.
+"""The deficit schedulers (``pd_dflash/engine/reference/decoding/deficit.py``) on the decode loop's scheduler seam.
 
 Each scheduling step, every in-flight request has one pending block (its next verify round, drafted). The
 adapter turns them into ``VerifyDemand``s and returns the admitted blocks: those are verified together in this
@@ -10,7 +10,7 @@ step's batched forward; the others keep their block (no redraft) and wait.
   arrival). Admission takes a prefix of that order, so the admitted demands' bytes sum to the bytes of the
   batch's union of predicted, non-resident experts: the fetch the verify will really issue;
 - arrival: the step at which the block became pending, so a deferred round keeps its place (FIFO, no
-  starvation: the liveness argument of scheduling.py);
+  starvation: the liveness argument of decoding/deficit.py);
 - in flight: none. The engine's verify finishes within its step, so every round, of a running request or a new
   one, is admitted through the budgets (route-ahead's history prefetch does not seat the next round).
 """
@@ -23,17 +23,17 @@ from collections.abc import Callable
 
 from pd_dflash.baselines import configuration
 from pd_dflash.engine.interface import Refused
-from pd_dflash.engine.reference.decode import Block
-from pd_dflash.engine.reference.offload import OffloadRuntime
-from pd_dflash.engine.reference.options import ReferenceOptions
-from pd_dflash.engine.reference.serving import AdmitAll
-from pd_dflash.engine.scheduling import (
+from pd_dflash.engine.reference.decoding.deficit import (
     EXPERT_BYTES,
     DeficitScheduler,
     TokenDeficitScheduler,
     TwoDimDeficitScheduler,
     VerifyDemand,
 )
+from pd_dflash.engine.reference.decoding.loop import AdmitAll
+from pd_dflash.engine.reference.decoding.target import Block
+from pd_dflash.engine.reference.offload.runtime import OffloadRuntime
+from pd_dflash.engine.reference.options import ReferenceOptions
 from pd_dflash.schema import Status
 from pd_dflash.spec import Cell
 

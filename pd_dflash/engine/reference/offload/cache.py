@@ -2,7 +2,7 @@
 
 Capacity is in bytes and becomes ``capacity // expert_nbytes`` slots preallocated on the device, so occupancy
 can never exceed it. An entry is pinned while a step computes with it and cannot be evicted while its transfer
-is in flight. The default eviction, ``plan``, ranks victims by the round plan (``cache_plan.py``): what this
+is in flight. The default eviction, ``plan``, ranks victims by the round plan (``offload/eviction.py``): what this
 round predicted (reservations: a prefetch names its key for the round), what it has already computed and what
 the last round used; the unpinned entries are kept in its ``Evictor`` by rank, so a victim costs O(log slots),
 not a scan. Every access is classified at the moment compute asks for the expert:
@@ -13,11 +13,11 @@ not a scan. Every access is classified at the moment compute asks for the expert
 - resident at round start: it was in the cache before the current round began (the hide inequality's r).
 
 Exposed fetch seconds are the time compute waited for a transfer (on-demand or in-flight prefetch). Link time
-is the union of the transfers' spans on the host clock (``link.py``: one basis on both devices).
+is the union of the transfers' spans on the host clock (``offload/link.py``: one basis on both devices).
 
-**The slot pool** (``slots``, ``slot_pool.py``): one ``[slots, ...]`` device tensor per compute tensor and a
+**The slot pool** (``slots``, ``offload/slot_pool.py``): one ``[slots, ...]`` device tensor per compute tensor and a
 device-side ``(layer, expert) → slot`` table that every insert, eviction and the resident load keep current, so a
-MoE layer computes all its routed pairs in one grouped GEMM per projection (``grouped.py``). Quantised experts
+MoE layer computes all its routed pairs in one grouped GEMM per projection (``offload/grouped.py``). Quantised experts
 are dequantised once, when they land in a slot. **Capacity counts stored bytes** (``capacity // expert_nbytes``
 slots, what the store holds and the link moves); the device bytes per slot are ``slots.device_slot_nbytes``.
 """
@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pd_dflash.engine.reference.cache_plan import POLICIES, Evictor, RoundPlan
-from pd_dflash.engine.reference.expert_store import HostExpertStore
-from pd_dflash.engine.reference.link import Link
-from pd_dflash.engine.reference.slot_pool import SlotPool
-from pd_dflash.engine.reference.spans import SpanUnion
+from pd_dflash.engine.reference.offload.eviction import POLICIES, Evictor, RoundPlan
+from pd_dflash.engine.reference.offload.link import Link
+from pd_dflash.engine.reference.offload.slot_pool import SlotPool
+from pd_dflash.engine.reference.offload.spans import SpanUnion
+from pd_dflash.engine.reference.offload.store import HostExpertStore
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -108,7 +108,7 @@ class ExpertCache:
             raise ValueError(
                 f"expert cache capacity {self.capacity_bytes} B holds no expert of {self.store.expert_nbytes} B"
             )
-        #: The slot pool, its stored-format buffers and the (layer, expert) → slot table (``slot_pool.py``).
+        #: The slot pool, its stored-format buffers and the (layer, expert) → slot table (``offload/slot_pool.py``).
         self.slots = SlotPool(
             self.store, self.num_slots, self.device, self.compute_dtype, self.link is not None
         )

@@ -1,0 +1,1 @@
+"""Decoding: the step loop over in-flight requests, the target forward on a KV arena, autoregressive and speculative (DFlash) rounds, sampling, the cost-aware verify width, and admission (the deficit schedulers)."""

@@ -1,0 +1,1 @@
+"""The offload machinery: experts in host memory, a device cache of slots, the eviction rule the cache and its replay share, the link (emulated and CUDA) that moves experts, the prefetchers that predict them, and the memory budgets that size it all."""
