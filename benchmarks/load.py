@@ -255,10 +255,10 @@ def child_load(directory: Path, device: str) -> dict:
     import torch
     import transformers  # imports are a fixed cost, not load throughput: done before the clock starts
 
-    from pd_dflash.engine.reference.checkpoints.check import read_config
+    from pd_dflash.engine.reference.checkpoints.fields import read_target_config
     from pd_dflash.engine.reference.checkpoints.loader import load_checkpoint
 
-    arch = read_config(directory)["architectures"][0]
+    arch = read_target_config(directory)["architectures"][0]
     getattr(transformers, arch)
     dev = torch.device(device)
     rss_before = _rss_kib("VmRSS") * 1024
