@@ -9,10 +9,6 @@ import torch
 from pd_dflash.engine.reference.presets.catalog import get_preset
 from pd_dflash.engine.reference.presets.training import load_preset
 
-# Re-exported for the test files that still import it from here (test_speculative, test_dflash_*, test_checkpoint:
-# other branches own them); new code imports tests.engine.reference.helpers.
-from tests.engine.reference.helpers import tiny_model  # noqa: F401
-
 
 @pytest.fixture(scope="session")
 def micro():

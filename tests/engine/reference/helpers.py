@@ -143,6 +143,16 @@ def offloaded(model, storage="fp32"):
     return TargetModel(model, family, CPU), store
 
 
+def offloaded_runtime(model, fraction=0.5):
+    """(target, runtime) of a copy of ``model``: ``fraction`` of its expert bytes cached (the default eviction)
+    behind a plain host copy, no prefetcher."""
+    target, store = offloaded(model)
+    cache = ExpertCache(store, int(fraction * store.total_bytes), CPU, torch.float32, link=HostLink(None))
+    rt = OffloadRuntime(store, cache, None)
+    rt.attach(target.model)
+    return target, rt
+
+
 def runtime(target, store, *, fraction=None, policy="lru", gbps=None):
     """The offload runtime attached to ``target``: every expert cached (``fraction`` None), or a cache of that
     fraction of the expert bytes behind a link of ``gbps`` with an issuing prefetcher."""
@@ -187,3 +197,36 @@ def record_figure(test: str, **values) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps({"test": test, **values}, default=str) + "\n")
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tokenizer(path, vocab_size=64, *, chat_template=None):
+    """A word-level tokenizer (``w0`` .. ``w{V-2}`` and ``[UNK]``), saved beside a checkpoint."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 1)}
+    vocab["[UNK]"] = vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def hf_model(directory, dtype=None):
+    """transformers' own load of the checkpoint (MXFP4 dequantised by transformers, on CPU)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if config.model_type == "gpt_oss" else {}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, **kwargs).eval()

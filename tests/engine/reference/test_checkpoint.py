@@ -7,8 +7,7 @@ import pytest
 from pd_dflash.errors import InputError
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import expand
-from tests.engine.reference.conftest import tiny_model
-from tests.engine.reference.test_engine import make_engine, make_spec
+from tests.engine.reference.helpers import make_engine, make_spec, tiny_model
 
 #: A minimal chat template: gpt-oss targets are instruct models, prompted through their tokenizer's template.
 CHAT_TEMPLATE = (

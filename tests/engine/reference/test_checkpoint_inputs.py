@@ -114,7 +114,7 @@ def test_instruct_target_needs_a_chat_template(copy_of):
 def test_engine_load_names_the_bad_file_and_tensor(copy_of):
     """What a runner reports (its load failure becomes ERROR rows with this reason) for a checkpoint that only
     the box has, so plan could not check it."""
-    from tests.engine.reference.test_engine import make_engine, make_spec
+    from tests.engine.reference.helpers import make_engine, make_spec
 
     ckpt = copy_of("tiny-real-gpt-oss")
     drop_tensor(ckpt, "model.layers.0.mlp.experts.gate_up_proj_scales")

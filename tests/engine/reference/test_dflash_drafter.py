@@ -26,7 +26,7 @@ from pd_dflash.engine.reference.dflash.tiny import (
     write_tiny_drafter,
 )
 from pd_dflash.errors import InputError
-from tests.engine.reference.conftest import tiny_model
+from tests.engine.reference.helpers import tiny_model
 
 TARGET = {"hidden_size": 32, "vocab_size": 64, "num_hidden_layers": 2, "model_type": "qwen3_moe"}
 

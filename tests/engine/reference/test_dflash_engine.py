@@ -17,9 +17,7 @@ from pd_dflash.engine.reference.models import make_prompts
 from pd_dflash.schema import EngineResult, Row, Status
 from pd_dflash.spec import expand
 from pd_dflash.spec_inputs import DEFAULT_CHAT_DATE
-from tests.engine.reference.conftest import tiny_model
-from tests.engine.reference.test_engine import make_engine, make_spec
-from tests.engine.reference.test_prompts import CHAT_TEMPLATE, make_tokenizer
+from tests.engine.reference.helpers import CHAT_TEMPLATE, make_engine, make_spec, make_tokenizer, tiny_model
 
 LINK = {"emulated_h2d_gbps": 4.0}
 PROMPTS = ["w1 w2 w3 w4 w5", "w9 w8 w7", "w3 w3 w4 w10 w11 w12 w13", "w20 w21"]

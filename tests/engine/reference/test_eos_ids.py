@@ -10,7 +10,7 @@ from pd_dflash.engine.reference.decoding.loop import run_requests
 from pd_dflash.engine.reference.decoding.speculative import EarlyExitDrafter, SpeculativeDecoding
 from pd_dflash.engine.reference.decoding.target import AutoregressiveDecoding, Request
 from pd_dflash.engine.reference.models import LoadedModel
-from tests.engine.reference.test_speculative import offloaded_runtime
+from tests.engine.reference.helpers import offloaded_runtime
 
 
 def loaded_with(eos, source="checkpoint") -> LoadedModel:

@@ -16,27 +16,7 @@ from pd_dflash.engine.reference.prompts import (
     token_counts,
 )
 from pd_dflash.errors import InputError
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def make_tokenizer(path, vocab_size=64, *, chat_template=None):
-    """A word-level tokenizer (``w0`` .. ``w{V-2}`` and ``[UNK]``), saved beside a checkpoint."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(vocab_size - 1)}
-    vocab["[UNK]"] = vocab_size - 1
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    if chat_template:
-        fast.chat_template = chat_template
-    fast.save_pretrained(str(path))
-    return fast
+from tests.engine.reference.helpers import CHAT_TEMPLATE, make_tokenizer
 
 
 def test_humaneval_prompts_come_from_the_installed_package():

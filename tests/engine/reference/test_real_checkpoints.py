@@ -9,17 +9,7 @@ import torch
 from pd_dflash.engine.reference.checkpoints import mxfp4
 from pd_dflash.engine.reference.checkpoints.loader import load_checkpoint
 from pd_dflash.engine.reference.checkpoints.tiny import materialise
-
-
-def hf_model(directory, dtype=None):
-    """transformers' own load of the checkpoint (MXFP4 dequantised by transformers, on CPU)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
-
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
-    kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if config.model_type == "gpt_oss" else {}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, **kwargs).eval()
+from tests.engine.reference.helpers import hf_model
 
 
 def test_mxfp4_dequantisation_is_bit_identical_to_transformers():

@@ -14,8 +14,7 @@ import torch
 from pd_dflash.engine.reference.models import make_prompts
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import expand
-from tests.engine.reference.helpers import make_engine, make_spec
-from tests.engine.reference.test_real_checkpoints import hf_model
+from tests.engine.reference.helpers import hf_model, make_engine, make_spec
 
 TARGETS = ["tiny-real-qwen3-moe", "tiny-real-gpt-oss"]
 

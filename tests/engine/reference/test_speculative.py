@@ -3,8 +3,6 @@ block size and concurrency; KV rollback; B1/B2/OURS rows with their distinct cod
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -13,17 +11,13 @@ from pd_dflash.engine.reference.decoding.loop import run_requests
 from pd_dflash.engine.reference.decoding.speculative import EarlyExitDrafter, SpeculativeDecoding
 from pd_dflash.engine.reference.decoding.target import AutoregressiveDecoding, Block, Request, TargetModel
 from pd_dflash.engine.reference.families import family_of
-from pd_dflash.engine.reference.offload.cache import ExpertCache
-from pd_dflash.engine.reference.offload.link import HostLink
-from pd_dflash.engine.reference.offload.runtime import OffloadRuntime, install_offload
 from pd_dflash.engine.reference.presets.catalog import get_preset
 from pd_dflash.engine.reference.presets.drafters import load_drafter
 from pd_dflash.engine.registry import blocked_reason
 from pd_dflash.errors import InputError
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import expand
-from tests.engine.reference.conftest import tiny_model
-from tests.engine.reference.test_engine import make_engine, make_spec
+from tests.engine.reference.helpers import make_engine, make_spec, offloaded_runtime, tiny_model
 
 CPU = torch.device("cpu")
 LINK = {"emulated_h2d_gbps": 2.0, "emulated_latency_us": 5.0}
@@ -198,17 +192,6 @@ def test_cpu_transfers_without_emulation_are_not_called_a_real_link(micro):
 
 
 # -- below the engine: KV rollback and the sliding window ------------------------------------------------------
-
-
-def offloaded_runtime(model, fraction=0.5):
-    model = copy.deepcopy(model)
-    family = family_of(model.config)
-    store = install_offload(model, family, "fp32", pin=False)
-    target = TargetModel(model, family, CPU)
-    cache = ExpertCache(store, int(fraction * store.total_bytes), CPU, torch.float32, link=HostLink(None))
-    rt = OffloadRuntime(store, cache, None)
-    rt.attach(model)
-    return target, rt
 
 
 def test_rejected_rows_are_rolled_back_out_of_the_kv_cache(micro):
