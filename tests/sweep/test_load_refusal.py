@@ -76,44 +76,46 @@ def test_a_load_that_fails_on_bad_input_refuses_its_cells_at_once(tmp_path, monk
 
 
 @pytest.mark.parametrize(
-    ("model", "hardware", "named"),
+    ("models", "device"),
     [
-        ({"id": "org/absent", "path": "{tmp}/nowhere"}, {"device": "cpu"}, "{tmp}/nowhere does not exist"),
-        (
-            {"id": "org/file", "path": "{tmp}/file.txt"},
-            {"device": "cpu"},
-            "{tmp}/file.txt is not a directory",
+        (  # two bad paths in one sweep: each model's load is refused on its own
+            [
+                ({"id": "org/absent", "path": "{tmp}/nowhere"}, "{tmp}/nowhere does not exist"),
+                ({"id": "org/file", "path": "{tmp}/file.txt"}, "{tmp}/file.txt is not a directory"),
+            ],
+            "cpu",
         ),
-        ({"id": "micro", "preset": "micro"}, {"device": "cuda"}, "CUDA is not available"),
+        ([({"id": "micro", "preset": "micro"}, "CUDA is not available")], "cuda"),
     ],
+    ids=["bad-paths", "no-cuda"],
 )
 def test_the_reference_engine_refuses_a_bad_path_or_device_without_retrying(
-    tmp_path, monkeypatch, model, hardware, named
+    tmp_path, monkeypatch, models, device
 ):
     import torch
 
-    if hardware["device"] == "cuda" and torch.cuda.is_available():
+    if device == "cuda" and torch.cuda.is_available():
         pytest.skip("this box has CUDA")
     monkeypatch.chdir(REPO)
     if ray.is_initialized():
         ray.shutdown()
     (tmp_path / "file.txt").write_text("not a checkpoint")
-    model = {k: v.format(tmp=tmp_path) for k, v in model.items()}
+    named = {m["id"]: reason.format(tmp=tmp_path) for m, reason in models}
     spec = make_spec(
         engine="reference",
-        models=[model],
+        models=[{k: v.format(tmp=tmp_path) for k, v in m.items()} for m, _ in models],
         baselines=["B0"],
-        hardware={"accelerator_type": None, "cpus_per_runner": 1, **hardware},
+        hardware={"accelerator_type": None, "cpus_per_runner": 1, "device": device},
         local={"fake_gpus": 1, "num_cpus": 2, "object_store_mb": 100},
     )
     out = tmp_path / "out"
     opts = RunOptions(out_dir=str(out), progress=False, poll_s=0.2, plots=False, max_attempts=3)
     run_sweep(spec, opts)
     rows = stored_rows(out)
-    assert len(rows) == len(expand(spec)) == 2
-    assert all(r.status == Status.REFUSED and named.format(tmp=tmp_path) in r.reason for r in rows), rows
+    assert len(rows) == len(expand(spec)) == 2 * len(models)
+    assert all(r.status == Status.REFUSED and named[r.model] in r.reason for r in rows), rows
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in events].count("model_refused") == 1
+    assert [e["event"] for e in events].count("model_refused") == len(models)
     assert not [e for e in events if e["event"] == "load_failed"]
 
 
