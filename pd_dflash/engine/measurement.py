@@ -120,9 +120,9 @@ class CellTrace:
     absent: dict[str, str] = field(default_factory=dict)
 
     @property
-    def elapsed(self) -> float:
-        """The timed window as a divisor (never 0)."""
-        return max(self.timed_seconds, 1e-9)
+    def elapsed(self) -> float | None:
+        """The timed window as a divisor; None when it measured no time (nothing to divide by)."""
+        return self.timed_seconds if self.timed_seconds > 0 else None
 
 
 def engine_result(trace: CellTrace, slo: SLO) -> EngineResult:
@@ -160,14 +160,14 @@ def engine_result(trace: CellTrace, slo: SLO) -> EngineResult:
 def headline_metrics(trace: CellTrace, slo: SLO) -> dict[str, float | int | None]:
     """The ten metrics, in upstream order (byte counts stay ints); None where the trace has nothing to derive
     one from. Throughput and goodput count every generated token of the timed requests over the timed window."""
-    timed = trace.requests
+    timed, elapsed = trace.requests, trace.elapsed
     ttft = [t.ttft for t in timed if t.ttft is not None]
     values: dict[str, float | int | None] = {
-        "output_tokens_per_second": sum(t.tokens for t in timed) / trace.elapsed,
+        "output_tokens_per_second": sum(t.tokens for t in timed) / elapsed if elapsed else None,
         "acceptance_length_a": acceptance_length(trace.rounds),
         "ttft_seconds": sum(ttft) / len(ttft) if ttft else None,
         "per_round_latency_seconds": per_round_latency(trace.rounds, trace.timed_seconds),
-        "goodput_at_slo": goodput(timed, slo, trace.elapsed),
+        "goodput_at_slo": goodput(timed, slo, elapsed) if elapsed else None,
         "expert_cache_hit_rate": trace.cache.hit_rate,
         "route_ahead_prefetch_coverage": trace.prefetch.coverage,
         "wasted_prefetch_bytes": trace.prefetch.wasted_bytes,
@@ -194,7 +194,7 @@ def per_round_latency(rounds: Rounds, timed_seconds: float) -> float | None:
     """Mean round seconds; without per-round timestamps, the sequential loop's window over its rounds."""
     if rounds.seconds:
         return sum(rounds.seconds) / len(rounds.seconds)
-    return timed_seconds / rounds.untimed if rounds.untimed else None
+    return timed_seconds / rounds.untimed if rounds.untimed and timed_seconds > 0 else None
 
 
 def absence_warnings(trace: CellTrace, missing: list[str]) -> list[str]:
@@ -203,7 +203,17 @@ def absence_warnings(trace: CellTrace, missing: list[str]) -> list[str]:
     stray = [k for k in trace.absent if k in REQUIRED_METRICS and k not in missing]
     if stray:
         raise ValueError(f"absence reasons given for measured metrics: {stray}")
-    return [trace.absent.get(k) or f"{k} absent: not measured in this cell" for k in missing]
+    return [trace.absent.get(k) or _derived_absence(trace, k) for k in missing]
+
+
+#: Metrics divided by the timed window: absent, not invented, when the window measured no time.
+PER_WINDOW = ("output_tokens_per_second", "goodput_at_slo", "per_round_latency_seconds")
+
+
+def _derived_absence(trace: CellTrace, metric: str) -> str:
+    if metric in PER_WINDOW and trace.timed_seconds <= 0:
+        return f"{metric} absent: the timed window measured {trace.timed_seconds} s (nothing to divide by)"
+    return f"{metric} absent: not measured in this cell"
 
 
 def in_time_coverage(prefetch: PrefetchTrace) -> float | None:

@@ -224,6 +224,13 @@ def test_goodput_counts_the_requests_that_meet_every_slo_over_the_window():
     assert engine_result(cell_trace(requests=slow), SLO(ttft_ms=500)).goodput_at_slo == 4 / 2.0
 
 
-def test_a_zero_timed_window_divides_by_a_nanosecond_not_zero():
+def test_a_zero_timed_window_leaves_the_rates_absent_and_says_so_never_invents_one():
     r = engine_result(cell_trace(timed_seconds=0.0, hide=None), SLO())
-    assert r.output_tokens_per_second == 6 / 1e-9 and r.timed_seconds == 0.0
+    assert r.output_tokens_per_second is None and r.goodput_at_slo is None and r.timed_seconds == 0.0
+    assert r.status == Status.PARTIAL
+    for metric in ("output_tokens_per_second", "goodput_at_slo"):
+        assert f"{metric} absent: the timed window measured 0.0 s (nothing to divide by)" in r.warnings
+    untimed = engine_result(
+        cell_trace(timed_seconds=0.0, hide=None, rounds=Rounds(committed=[2, 3], untimed=2)), SLO()
+    )
+    assert untimed.per_round_latency_seconds is None

@@ -43,9 +43,9 @@ class CellMeasurement:
     speculative: bool = False
 
     @property
-    def elapsed(self) -> float:
-        """The timed window as a divisor (never 0)."""
-        return max(self.timed_seconds, 1e-9)
+    def elapsed(self) -> float | None:
+        """The timed window as a divisor; None when it measured no time."""
+        return self.timed_seconds if self.timed_seconds > 0 else None
 
 
 def cell_trace(m: CellMeasurement) -> CellTrace:
@@ -223,7 +223,7 @@ def experts_moved_per_token(transfers: int, generated_tokens: int) -> float | No
     return transfers / generated_tokens if generated_tokens else None
 
 
-def expert_cache_facts(rt: OffloadRuntime, elapsed: float, generated_tokens: int) -> dict[str, Any]:
+def expert_cache_facts(rt: OffloadRuntime, elapsed: float | None, generated_tokens: int) -> dict[str, Any]:
     """The cache's geometry and every counter, with the rates and occupancy derived from them."""
     c, cache, store = rt.cache.counters, rt.cache, rt.store
     return {
@@ -240,10 +240,10 @@ def expert_cache_facts(rt: OffloadRuntime, elapsed: float, generated_tokens: int
         **dict(vars(c)),
         # Found in the cache at all (ready or still in flight from a prefetch): no new transfer issued.
         "in_cache_rate": (c.hits + c.inflight_hits) / c.accesses if c.accesses else None,
-        "exposed_fetch_fraction": c.exposed_seconds / elapsed,
+        "exposed_fetch_fraction": c.exposed_seconds / elapsed if elapsed else None,
         "experts_moved_per_token": experts_moved_per_token(c.h2d_transfers, generated_tokens),
-        "needed_experts_per_round_mean": sum(rt.needed_per_round) / max(1, len(rt.needed_per_round)),
-        "occupancy_bytes_mean": sum(rt.occupancy_per_round) / max(1, len(rt.occupancy_per_round)),
+        "needed_experts_per_round_mean": _mean(rt.needed_per_round),
+        "occupancy_bytes_mean": _mean(rt.occupancy_per_round),
         # Occupancy over time: end-of-round samples, at most 64 evenly spaced.
         "occupancy_bytes_series": _downsample(rt.occupancy_per_round, 64),
     }
@@ -283,3 +283,8 @@ def prediction_facts(rt: OffloadRuntime, expert_nbytes: int) -> dict[str, Any]:
     if counters:
         facts["issue"] = dict(counters)
     return facts
+
+
+def _mean(xs: list[int]) -> float | None:
+    """The mean of per-round samples; None without a round (never a made-up 0)."""
+    return sum(xs) / len(xs) if xs else None
