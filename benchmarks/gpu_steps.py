@@ -139,13 +139,13 @@ def arch_match(major: int, minor: int, archs: list[str]) -> str | None:
 
 
 def committed(nbytes: int):
-    """``nbytes`` of host memory whose pages are written (committed), page-aligned: (view, seconds)."""
-    import torch
+    """``nbytes`` of host memory whose pages are written (committed), page-aligned: (view, seconds). Its storage
+    starts on the page the registration starts on (``offload/store.py``'s ``page_aligned``), so
+    ``is_pinned()`` (asked of the storage's start) reports the registration."""
+    from pd_dflash.engine.reference.offload.store import page_aligned
 
     start = time.perf_counter()
-    host = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-    offset = -host.data_ptr() % PAGE
-    view = host[offset : offset + nbytes]
+    view = page_aligned(nbytes)
     view.fill_(1)  # as the loader's reads do before a layer is pinned
     return view, time.perf_counter() - start
 
