@@ -111,6 +111,11 @@ def _cuda_preflight(out: dict[str, Any]) -> list[str]:
     except Exception as exc:
         out["probe"] = {"error": f"{type(exc).__name__}: {exc}"}
         problems.append(f"probe: {out['probe']['error']}")
+    try:
+        out["expert_compute"] = expert_compute(major)
+    except Exception as exc:
+        out["expert_compute"] = {"error": f"{type(exc).__name__}: {exc}"}
+        problems.append(f"expert-compute probe: {out['expert_compute']['error']}")
     probe_rate = out["probe"].get("h2d", {}).get("bytes_per_second")
     try:
         view, commit = committed(GIB)
@@ -120,6 +125,23 @@ def _cuda_preflight(out: dict[str, Any]) -> list[str]:
     if not out["register_1gib"].get("ok"):
         problems.append(f"1 GiB cudaHostRegister: {out['register_1gib'].get('error')}")
     return problems
+
+
+def expert_compute(major: int) -> dict[str, Any]:
+    """The engine's expert-compute decision on this device for bf16 (``offload/grouped.py``: capability and the
+    ``_grouped_mm`` probe under ``set_sync_debug_mode("error")``), and which architecture's path this device
+    does NOT exercise (that one is tested on the CPU with a faked capability)."""
+    import torch
+
+    from pd_dflash.engine.reference.offload.grouped import FAST_KERNEL_MAJORS, cuda_choice
+
+    out = cuda_choice(torch.device("cuda", 0), torch.bfloat16)
+    other = "12.0 (RTX PRO 6000: gathered_bmm)" if major in FAST_KERNEL_MAJORS else "9.0 (H200: grouped_mm)"
+    out["not_exercised_on_this_device"] = (
+        f"the path of compute capability {other}: tested on the CPU with a faked capability "
+        "(tests/engine/reference/test_grouped_experts.py)"
+    )
+    return out
 
 
 def arch_match(major: int, minor: int, archs: list[str]) -> str | None:

@@ -93,7 +93,12 @@ def route_stats(nbytes: bool = True) -> RouteAheadStats:
 
 
 #: The cache's slot pool as the facts read it (``offload/slot_pool.py``).
-SLOTS = SimpleNamespace(expert_compute="grouped_mm", direct=True, device_slot_nbytes=NBYTES)
+SLOTS = SimpleNamespace(
+    expert_compute="grouped_mm",
+    expert_compute_facts={"path": "grouped_mm", "why": "test", "capability": None, "probe": None},
+    direct=True,
+    device_slot_nbytes=NBYTES,
+)
 
 
 def cache(**over) -> SimpleNamespace:
