@@ -276,7 +276,12 @@ def configurations(device: str, budget_s: float, preset: str) -> dict[str, Any]:
         EngineContext.for_model(spec, device="cuda:0" if device == "cuda" else "cpu")
     )
     cells, outputs = [], {}
+    deadline, longest = time.perf_counter() + budget_s, 0.0
     for cell in expand(spec):
+        if time.perf_counter() + longest > deadline:  # keep what ran: the step's JSON, not a timeout
+            cells.append({"baseline": cell.baseline, "concurrency": cell.concurrency, "status": "NOT_RUN"})
+            continue
+        started = time.perf_counter()
         try:
             result = engine.run_cell(cell)
         except Refused as refusal:
@@ -291,6 +296,7 @@ def configurations(device: str, budget_s: float, preset: str) -> dict[str, Any]:
             continue
         cells.append(_cell_entry(cell, result))
         outputs[(cell.baseline, cell.concurrency)] = engine.captured
+        longest = max(longest, time.perf_counter() - started)
     checks = {
         "same_shape_equal": _same_shape_pairs(cells),
         "ar_vs_speculative": engine.divergences,

@@ -23,7 +23,12 @@ DEVICE_CALL_S = 480
 
 def test_the_step_budgets_and_the_hard_limit_fit_one_device_call():
     assert sum(gpu_check.STEPS.values()) + 30 <= DEVICE_CALL_S  # gpu_check.sh: timeout = budget + 30 s
-    assert list(gpu_check.STEPS)[:2] == ["bundle", "preflight"]
+    assert list(gpu_check.STEPS)[:2] == ["bundle", "preflight"] and "real_size" in gpu_check.STEPS
+    shell = (REPO / "scripts" / "gpu_check.sh").read_text()
+    assert (
+        f"budget=$((cpu ? {3 * sum(gpu_check.STEPS.values()):g} : {sum(gpu_check.STEPS.values()):g}))"
+        in shell
+    )
 
 
 @pytest.mark.parametrize(
@@ -102,3 +107,41 @@ def test_the_cpu_run_passes_every_step_and_writes_the_summary_shape(tmp_path, mi
     assert "not available" in overhead.get("skipped", "") or overhead["result"]["status"] == "complete"
     pinning = data["steps"]["pinning"]
     assert pinning["host_copy_bytes_per_second"] > 0 and "skipped" in pinning["registration"]
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["--budget-s", "1e3"], "plain decimal number"),
+        (["--budget-s"], "--budget-s needs a value"),
+        (["--budget-s", "--cpu"], "--budget-s needs a value"),
+        (["--budget-s", "5"], "from 10 to 7200"),
+        (["--budget-s", "99999999999999999999"], "from 10 to 7200"),
+        (["--steps"], "--steps needs a value"),
+        (["--steps", "a,,b"], "comma-separated step names"),
+        (["--output", "x.json"], "unknown argument '--output'"),
+        (["--cpu", "extra.json"], "unknown argument 'extra.json'"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_summary_saying_why(tmp_path, args, why):
+    summary = tmp_path / "out" / "gpu_check.json"
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "gpu_check.sh"), str(summary), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    data = json.loads(summary.read_text())
+    assert data["ok"] is False and why in data["error"] and why in proc.stderr
+    assert data["steps"] == {}
+
+
+def test_an_unknown_step_is_refused_by_name_in_the_summary(tmp_path):
+    summary = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--output", str(summary), "--steps", "preflight,bogus"]) == 2
+    data = json.loads(summary.read_text())
+    assert data["ok"] is False and "bogus" in data["error"] and "real_size" in data["error"]
+    assert gpu_check.main(["--output", str(summary), "--budget-s", "nan"]) == 2
+    assert "--budget-s" in json.loads(summary.read_text())["error"]
