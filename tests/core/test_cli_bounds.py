@@ -94,3 +94,25 @@ def test_a_non_ascii_out_under_the_c_locale_is_refused_naming_the_encoding(tmp_p
 def test_a_non_ascii_path_under_a_utf8_locale_is_taken(tmp_path):
     args = build_parser().parse_args(["run", "s.yaml", "--out", str(tmp_path / "résultats")])
     assert args.out.endswith("résultats")
+
+
+def test_a_relative_out_under_a_non_ascii_working_directory_is_refused_before_ray_starts(tmp_path):
+    import yaml
+
+    from tests.sweep.helpers import spec_data
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text(yaml.safe_dump(spec_data()))
+    here = tmp_path / "dossier-é"
+    here.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pd_dflash", "run", str(spec), "--out", "out"],
+        cwd=here,
+        env={**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--out" in proc.stderr and "encoding (ascii)" in proc.stderr
+    assert not (here / "out").exists()
