@@ -33,6 +33,7 @@ from pd_dflash.sweep.connect import Address, bounded, parse_address, reach
 from pd_dflash.sweep.driver import SweepDriver
 from pd_dflash.sweep.lost import LocalWatch, lost_outcome
 from pd_dflash.sweep.options import ClusterLost, Outcome, RunOptions, SweepInterrupted
+from pd_dflash.sweep.out_names import check_out_names
 from pd_dflash.sweep.resume import check_resumable, probe_writable
 from pd_dflash.sweep.sink import NAMESPACE
 
@@ -134,6 +135,7 @@ def run_sweep(spec: SweepSpec, options: RunOptions, *, address: str | None = Non
             elif local:
                 # Local mode: this process is the head box, so OUT can be checked before a cluster is started.
                 probe_writable(Path(options.out_dir))
+                check_out_names(Path(options.out_dir))  # before anything in OUT is read (store.open again)
                 check_resumable(Path(options.out_dir), spec, options.mode)
                 check_local_start(spec)  # a named error, not Ray's ValueError about its memory
                 # address="local": always start our own cluster, never join one another process left running.
