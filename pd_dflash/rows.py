@@ -314,7 +314,7 @@ def append_json(path: str | Path, obj: dict[str, Any]) -> None:
 
 
 def _append_line(path: Path, line: bytes) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
     try:
         end = os.fstat(fd).st_size
         data = _separator(fd, end, path) + line
@@ -334,7 +334,7 @@ def repair_tail(path: str | Path) -> TailRepair | None:
     never lost) and truncated; a complete last row lacking its newline gets one. None when nothing was wrong."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     try:
@@ -356,7 +356,7 @@ def repair_tail(path: str | Path) -> TailRepair | None:
 
 def _keep_aside(path: Path, text: bytes) -> Path:
     aside = path.with_name(path.name + ".torn")
-    fd = os.open(aside, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+    fd = os.open(aside, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
     try:
         data = text + b"\n"
         while data:
@@ -371,7 +371,7 @@ def repair_torn_tail(path: str | Path, torn: TornTail) -> Path:
     """Move a torn last line (found by ``read_rows(..., tolerate_torn_tail=True)``) aside and truncate it."""
     path = Path(path)
     aside = _keep_aside(path, torn.text.encode("utf-8"))
-    fd = os.open(path, os.O_RDWR)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     try:
         os.ftruncate(fd, torn.offset)
         os.fsync(fd)

@@ -25,6 +25,7 @@ from typing import Any
 import ray
 from ray._private import ray_constants
 
+from pd_dflash.errors import InputError
 from pd_dflash.spec import SweepSpec
 from pd_dflash.spec_inputs import check_local_start
 from pd_dflash.sweep import preflight
@@ -32,6 +33,7 @@ from pd_dflash.sweep.connect import Address, bounded, parse_address, reach
 from pd_dflash.sweep.driver import SweepDriver
 from pd_dflash.sweep.lost import LocalWatch, lost_outcome
 from pd_dflash.sweep.options import ClusterLost, Outcome, RunOptions, SweepInterrupted
+from pd_dflash.sweep.out_names import check_out_names
 from pd_dflash.sweep.resume import check_resumable, probe_writable
 from pd_dflash.sweep.sink import NAMESPACE
 
@@ -119,6 +121,7 @@ def _detach_from_lost_terminal() -> None:
 def run_sweep(spec: SweepSpec, options: RunOptions, *, address: str | None = None) -> Outcome:
     """Run a sweep: join ``address`` (or $RAY_ADDRESS, or an already connected Ray), else start local mode."""
     options.out_dir = os.path.abspath(options.out_dir)
+    _check_encodable(options.out_dir)
     target = None if ray.is_initialized() else cluster_address(address)
     local = not ray.is_initialized() and target is None
     owns_ray = not ray.is_initialized()
@@ -132,6 +135,7 @@ def run_sweep(spec: SweepSpec, options: RunOptions, *, address: str | None = Non
             elif local:
                 # Local mode: this process is the head box, so OUT can be checked before a cluster is started.
                 probe_writable(Path(options.out_dir))
+                check_out_names(Path(options.out_dir))  # before anything in OUT is read (store.open again)
                 check_resumable(Path(options.out_dir), spec, options.mode)
                 check_local_start(spec)  # a named error, not Ray's ValueError about its memory
                 # address="local": always start our own cluster, never join one another process left running.
@@ -152,6 +156,20 @@ def run_sweep(spec: SweepSpec, options: RunOptions, *, address: str | None = Non
         finally:
             if owns_ray:
                 ray.shutdown()
+
+
+def _check_encodable(out_dir: str) -> None:
+    """OUT as an absolute path must be text Ray can carry: a working directory or --out this locale cannot
+    decode (non-ASCII under LC_ALL=C, PYTHONUTF8=0) is refused naming the encoding, before Ray starts."""
+    try:
+        out_dir.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(
+            f"{os.fsencode(out_dir)!r} is not valid in this locale's filesystem encoding "
+            f"({sys.getfilesystemencoding()}); run under a UTF-8 locale (LC_ALL=C.UTF-8 or PYTHONUTF8=1) or "
+            "choose an ASCII path",
+            where="--out",
+        ) from None
 
 
 def cluster_address(address: str | None) -> Address | None:

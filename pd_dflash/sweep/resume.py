@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -192,12 +193,15 @@ def probe_writable(out_dir: Path) -> None:
     """Create OUT and write, fsync and remove a probe file there; InputError when that fails."""
     try:
         out_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
-        probe = out_dir / f".probe-{os.getpid()}"
-        with open(probe, "w") as fh:
-            fh.write("probe\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        probe.unlink()
+        # a fresh name, created exclusively: a link left under that name is never followed out of OUT
+        probe = out_dir / f".probe-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, b"probe\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            probe.unlink()
     except OSError as exc:
         raise InputError(
             f"results directory is not writable: {exc.strerror or exc}", where=str(out_dir)
