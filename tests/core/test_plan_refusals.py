@@ -1,0 +1,78 @@
+"""Plan refuses what an engine cannot honour (issue 29, item 2), naming the field and the bound, exit 2: a prompt
+beyond the model's positions, concurrency above the requests, an axis the engine does not read, token counts
+beyond what the memory pre-check can hold. No torch, no Ray: these are ``pd-dflash plan``'s own checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from pd_dflash.cli import main
+from pd_dflash.engine.reference.presets.catalog import PRESETS
+from pd_dflash.spec import parse_spec
+from pd_dflash.spec_inputs import generation_tokens, positions_problem
+from tests.core.helpers import spec_data
+
+GPT_OSS = {"id": "mini-gpt-oss", "preset": "mini-gpt-oss", "draft": "mini-gpt-oss-dflash"}
+
+
+def plan(tmp_path: Path, capsys, data: dict) -> tuple[int, str]:
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    capsys.readouterr()
+    code = main(["plan", str(path)])
+    out = capsys.readouterr()
+    return code, out.err + out.out
+
+
+# -- positions -------------------------------------------------------------------------------------------------
+
+
+def test_a_5000_token_prompt_on_a_2048_position_preset_is_refused_at_plan(tmp_path, capsys):
+    assert PRESETS["mini-gpt-oss"].max_positions == 2048
+    data = spec_data(models=[GPT_OSS], block_sizes=[8, 16], workload={"prompt_tokens": 5000})
+    code, err = plan(tmp_path, capsys, data)
+    assert code == 2, err
+    assert "models.0" in err and "5,000 tokens" in err and "2,048" in err and "max_positions" in err
+    assert "workload.max_new_tokens (64)" in err and "B = 16" in err and "Traceback" not in err
+
+
+def test_the_bound_is_prompt_plus_max_new_tokens_plus_the_verify_block(tmp_path, capsys):
+    # B = 8, max_new_tokens auto = 32: 2048 - 32 - 8 = 2008 tokens of prompt fit, one more does not.
+    fits = spec_data(models=[GPT_OSS], workload={"prompt_tokens": 2008})
+    assert plan(tmp_path, capsys, fits)[0] == 0
+    code, err = plan(tmp_path, capsys, spec_data(models=[GPT_OSS], workload={"prompt_tokens": 2009}))
+    assert code == 2 and "2,049 positions" in err, err
+    # Autoregressive only (B0): no verify block.
+    b0 = spec_data(models=[GPT_OSS], baselines=["B0"], workload={"prompt_tokens": 2016})
+    assert plan(tmp_path, capsys, b0)[0] == 0
+
+
+def test_max_new_tokens_beyond_the_positions_is_refused_at_plan(tmp_path, capsys):
+    code, err = plan(tmp_path, capsys, spec_data(workload={"max_new_tokens": 10**9}))
+    assert code == 2, err
+    assert "workload.max_new_tokens" in err and "Traceback" not in err
+
+
+def test_a_preset_prompt_file_of_token_ids_is_counted(tmp_path, capsys):
+    prompts = tmp_path / "ids.txt"
+    prompts.write_text("1 2 3\n" + " ".join(["5"] * 3000) + "\n")
+    code, err = plan(tmp_path, capsys, spec_data(models=[GPT_OSS], workload={"prompts": str(prompts)}))
+    assert code == 2 and "3,000 tokens" in err and "models.0" in err, err
+    prompts.write_text("1 2 3\n4 5 6 7\n")
+    assert plan(tmp_path, capsys, spec_data(models=[GPT_OSS], workload={"prompts": str(prompts)}))[0] == 0
+
+
+def test_the_longest_cell_decides_the_bound():
+    spec = parse_spec(
+        spec_data(baselines=["B0", "OURS"], block_sizes=[8, 16], workload={"max_new_tokens": 40})
+    )
+    assert generation_tokens(spec) == (40, 16)
+    auto = parse_spec(spec_data(baselines=["B0", "OURS"], block_sizes=[8, 16]))
+    assert generation_tokens(auto) == (64, 16)  # auto: max(4 B, 32) at B = 16
+    only_b0 = parse_spec(spec_data(baselines=["B0"], block_sizes=[8, 16]))
+    assert generation_tokens(only_b0) == (64, 0)  # B0 stands for the largest block, verifies none
+    assert positions_problem(10, 5, 1, 16, model="m", bound="b", lower=False) is None
+    text = positions_problem(10, 5, 2, 16, model="m", bound="b", lower=True)
+    assert text is not None and "at least 10 tokens" in text and "17 positions" in text and "16" in text
