@@ -102,6 +102,21 @@ def how_many(n: int) -> str:
     return f"about 10^{int(n.bit_length() * 0.30103)}"
 
 
+def check_concurrency(spec: Any) -> None:
+    """No concurrency above ``workload.requests``: at most that many requests are ever in flight, so the cell
+    would be measured at a lower concurrency than its label (InputError naming both fields)."""
+    requests = spec.workload.requests
+    above = [c for c in spec.concurrency if c > requests]
+    if above:
+        raise InputError(
+            f"c = {', '.join(how_many(c) for c in above)} is above workload.requests = {requests:,}: at most "
+            f"{requests:,} requests are ever in flight, so such a cell would be measured at c = {requests:,} and "
+            f"labelled c = {how_many(above[0])}. Fix: raise workload.requests to at least {how_many(max(above))} "
+            f"or keep concurrency at most {requests:,}",
+            where="concurrency",
+        )
+
+
 def generation_tokens(spec: Any) -> tuple[int, int]:
     """(max_new_tokens, block) of the spec's cell that needs the most positions past its prompt: a speculative
     cell's verify block writes up to B positions past what it has committed, an autoregressive one none."""

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from pd_dflash.baselines import GATED, ORDER
 from pd_dflash.errors import InputError, excerpt, format_validation_error
 from pd_dflash.spec import ModelSpec, SweepSpec, load_spec
-from pd_dflash.spec_inputs import check_here
+from pd_dflash.spec_inputs import check_concurrency, check_here
 
 if TYPE_CHECKING:
     from pd_dflash.engine.interface import Engine
@@ -178,6 +178,7 @@ def check(spec: SweepSpec, *, where: str | None = None) -> SweepSpec:
             f"(got {excerpt(spec.engine)})",
             where=where or "<spec>",
         )
+    check_concurrency(spec)  # whatever the engine: no more requests are in flight than there are
     known = static_traits(spec.engine)
     if known is None:
         return spec

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from pd_dflash.cli import main
@@ -76,3 +77,28 @@ def test_the_longest_cell_decides_the_bound():
     assert positions_problem(10, 5, 1, 16, model="m", bound="b", lower=False) is None
     text = positions_problem(10, 5, 2, 16, model="m", bound="b", lower=True)
     assert text is not None and "at least 10 tokens" in text and "17 positions" in text and "16" in text
+
+
+# -- concurrency above the requests ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("above", [16, 100000])
+def test_concurrency_above_the_requests_is_refused_at_plan(tmp_path, capsys, above):
+    data = spec_data(concurrency=[1, 4, above], workload={"requests": 8})
+    code, err = plan(tmp_path, capsys, data)
+    assert code == 2, err
+    assert "concurrency" in err and f"c = {above:,}" in err and "workload.requests = 8" in err
+    assert "Traceback" not in err
+
+
+def test_concurrency_equal_to_the_requests_is_planned(tmp_path, capsys):
+    assert plan(tmp_path, capsys, spec_data(concurrency=[1, 8], workload={"requests": 8}))[0] == 0
+
+
+def test_a_custom_engine_is_held_to_the_same_rule(tmp_path, capsys):
+    data = spec_data(
+        engine="tests.sweep.engines:FixedDurationEngine", concurrency=[4], workload={"requests": 2}
+    )
+    data["models"] = [{"id": "m1"}]
+    code, err = plan(tmp_path, capsys, data)
+    assert code == 2 and "workload.requests = 2" in err, err
