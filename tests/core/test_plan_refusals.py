@@ -102,3 +102,63 @@ def test_a_custom_engine_is_held_to_the_same_rule(tmp_path, capsys):
     data["models"] = [{"id": "m1"}]
     code, err = plan(tmp_path, capsys, data)
     assert code == 2 and "workload.requests = 2" in err, err
+
+
+# -- axes an engine does not read ----------------------------------------------------------------------------------
+
+MOE_INFINITY = {
+    "engine": "moe_infinity",
+    "models": [
+        {"id": "openai/gpt-oss-20b", "draft": "z-lab/gpt-oss-20b-DFlash", "offload_dir": "/tmp/offload"}
+    ],
+    "baselines": ["B0", "B1", "OURS"],
+}
+
+
+@pytest.mark.parametrize(
+    ("memory", "field"),
+    [
+        ({"expert_cache_fraction": [0.25, 0.5]}, "memory.expert_cache_fraction"),
+        ({"expert_cache_fraction": 0.25}, "memory.expert_cache_fraction"),
+    ],
+)
+def test_moe_infinity_refuses_the_expert_cache_fraction_it_does_not_read(tmp_path, capsys, memory, field):
+    code, err = plan(tmp_path, capsys, spec_data(**MOE_INFINITY, memory=memory))
+    assert code == 2, err
+    assert field in err and "does not read" in err and "memory.device_memory_ratio" in err
+    assert ("one measurement under each label" in err) == isinstance(memory["expert_cache_fraction"], list)
+
+
+def test_moe_infinity_plans_the_fields_it_reads(tmp_path, capsys):
+    memory = {"device_memory_ratio": 0.8, "resident_memory_ratio": 0.97}
+    code, err = plan(tmp_path, capsys, spec_data(**MOE_INFINITY, memory=memory))
+    assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [
+        ({"memory": {"device_memory_ratio": 0.5}}, "memory.device_memory_ratio"),
+        (
+            {"memory": {"expert_cache_fraction": 0.25, "resident_memory_ratio": 0.9}},
+            "memory.resident_memory_ratio",
+        ),
+    ],
+)
+def test_the_reference_engine_refuses_moe_infinitys_memory_ratios(tmp_path, capsys, over, field):
+    code, err = plan(tmp_path, capsys, spec_data(**over))
+    assert code == 2 and field in err and "engine reference does not read" in err, err
+
+
+def test_moe_infinity_refuses_prompt_kinds_and_a_chat_date_it_does_not_read(tmp_path, capsys):
+    code, err = plan(tmp_path, capsys, spec_data(**MOE_INFINITY, workload={"prompts": "humaneval"}))
+    assert code == 2 and "workload.prompts" in err and "humaneval prompts" in err, err
+    code, err = plan(tmp_path, capsys, spec_data(**MOE_INFINITY, workload={"chat_date": "2026-01-31"}))
+    assert code == 2 and "workload.chat_date" in err, err
+
+
+def test_an_unread_axis_does_not_double_the_plan_it_is_refused_before(tmp_path, capsys):
+    # The ablation list is refused before any cell is expanded: nothing is printed as a plan.
+    data = spec_data(**MOE_INFINITY, memory={"expert_cache_fraction": [0.25, 0.5]})
+    code, out = plan(tmp_path, capsys, data)
+    assert code == 2 and "cells per model" not in out
