@@ -38,6 +38,7 @@ from pd_dflash.engine.reference.offload.memory import (
 from pd_dflash.engine.reference.offload.runtime import OffloadRuntime, install_offload
 from pd_dflash.engine.reference.offload.store import HostExpertStore
 from pd_dflash.engine.reference.options import ReferenceOptions
+from pd_dflash.engine.reference.positions import refuse_beyond_positions
 from pd_dflash.engine.reference.prompts import prompt_facts
 from pd_dflash.engine.reference.requirements import require_transformers
 from pd_dflash.engine.reference.seams import Admission, Decoding
@@ -220,6 +221,10 @@ class ReferenceEngine(Engine):
         wl = self.ctx.workload
         warm = self._requests(cell, wl.warmup_rounds, max_new=cell.block_size, stream=1, tag="warmup")
         timed = self._requests(cell, wl.requests, max_new=cell.max_new_tokens, stream=0, tag="r")
+        config = self.target.model.config
+        refuse_beyond_positions(
+            cell, warm + timed, getattr(config, "max_position_embeddings", None), self.ctx.model.id
+        )
         decoding, drafter_facts, drafter_load = self.decodings.for_cell(
             cell
         )  # on the device before the check

