@@ -152,7 +152,7 @@ def spec_for(name: str, target: Path, drafter: Path, device: str, gbps: float):
             "repeats": 1,
             "workload": {
                 "requests": max(CONCURRENCY),
-                "warmup_rounds": 1,
+                "warmup_rounds": 1 if device == "cuda" else 0,  # a warm-up request decodes B tokens
                 "max_new_tokens": new_tokens,
                 "prompt_tokens": 32 if device == "cuda" else 8,
                 "seed": 1408,

@@ -24,11 +24,11 @@ if [[ ! -f "$bare/.image-ready" ]]; then
   rm -rf "$bare"
   "$py312" -m venv "$bare"
   torch_spec="${TORCH_WHEEL:-torch==2.11.0}"
-  "$bare/bin/pip" install -q "$torch_spec" "setuptools<82"
-  "$bare/bin/pip" install -q transformers==5.17.0 safetensors numpy pandas pyyaml nvidia-ml-py pytest \
+  "$bare/bin/python" -m pip install -q "$torch_spec" "setuptools<82"
+  "$bare/bin/python" -m pip install -q transformers==5.17.0 tokenizers==0.23.2 huggingface_hub==1.33.0 safetensors==0.8.0 numpy pandas pyyaml nvidia-ml-py pytest \
     pytest-timeout hypothesis
   # The image has no pydantic and no Ray: whatever pulled them in, they go.
-  "$bare/bin/pip" uninstall -q -y pydantic pydantic_core typing-inspection annotated-types ray 2>/dev/null || true
+  "$bare/bin/python" -m pip uninstall -q -y pydantic pydantic_core typing-inspection annotated-types ray 2>/dev/null || true
   touch "$bare/.image-ready"
 fi
 "$bare/bin/python" - <<'EOF'
