@@ -133,7 +133,7 @@ def spec_for(name: str, target: Path, drafter: Path, device: str, gbps: float):
     hardware: dict[str, Any] = {"device": device, "cpus_per_runner": 1}
     if device == "cuda":
         hardware.update(accelerator_type=None, compute_capability=None)
-    new_tokens = 32 if device == "cuda" else 3
+    new_tokens = 32 if device == "cuda" else 2
     return parse_spec(
         {
             "name": "gpu-check-real-size",
