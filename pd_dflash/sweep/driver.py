@@ -299,8 +299,8 @@ class SweepDriver:
             self._show(force=True)
             loop_started = time.time()
             self._loop()
-        except SweepInterrupted:
-            pass  # self.stop holds it: recorded by _finish
+        except SweepInterrupted as exc:  # self.stop holds it: recorded by _finish
+            self._event(f"{exc.name} received: stopping the runners and writing what is stored")
         finally:
             loop_finished = time.time()
             if self.cluster_lost() is None:  # a dead cluster's runners are gone, their results with them
@@ -338,11 +338,13 @@ class SweepDriver:
         written) makes it "stopped": the matrices the collector is writing are completed (all or none, see
         staging.py), never cut off. One that comes after the record changes nothing. Returns the collector's
         summary and the stop the outcome records."""
+        in_loop = self.stop.requested  # that stop was announced where the loop ended
         self.sink.drain(10.0 if self.stop.requested else 60.0)
         self.sink.final_matrices(self.opts.plots and not self.stop.requested)
         stop = self.stop.interrupted()
         if stop is not None:
-            self._event(f"{stop.name} received: runners stopped; recording what is stored")
+            if not in_loop:
+                self._event(f"{stop.name} received after the last cell: recording the sweep as stopped")
             self.sink.log("stopped", signal=stop.name)
         wall = time.monotonic() - self._started
         unrun = max(0, self.todo - self.sink.finished)
