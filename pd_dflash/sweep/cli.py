@@ -46,6 +46,6 @@ def run_main(args: argparse.Namespace) -> int:
         print(
             f"pd-dflash run: error: {outcome.stopped}; the sweep stopped (rerun to resume)", file=sys.stderr
         )
-    elif outcome.outcome == "interrupted":
+    elif outcome.outcome == "stopped":
         print(f"pd-dflash run: stopped by {outcome.stopped}", file=sys.stderr)
     return outcome.exit_code

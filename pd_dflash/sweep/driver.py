@@ -41,6 +41,7 @@ from pd_dflash.sweep.preflight import Box
 from pd_dflash.sweep.progress import Progress, format_duration
 from pd_dflash.sweep.resume import Mode, StoredCell, cells_to_run
 from pd_dflash.sweep.sink import Sink, cause_line
+from pd_dflash.sweep.stops import StopRequest
 from pd_dflash.sweep.store import utc_now
 
 #: The progress line is refreshed at most this often (no terminal redraws faster; the ETA costs estimates).
@@ -49,9 +50,17 @@ SHOW_EVERY_S = 0.2
 
 class SweepDriver:
     def __init__(
-        self, spec: SweepSpec, options: RunOptions, progress: Progress | None = None, *, local: bool = False
+        self,
+        spec: SweepSpec,
+        options: RunOptions,
+        progress: Progress | None = None,
+        *,
+        local: bool = False,
+        stop: StopRequest | None = None,
     ) -> None:
         self.spec = spec
+        #: Set by the signal handler (``stops.stop_on_signals``); looked at between Ray calls, never inside one.
+        self.stop = stop or StopRequest()
         #: Local mode (a loopback-only cluster this process started) or a cluster run (auth is checked).
         self.local = local
         self.opts = options
@@ -67,6 +76,7 @@ class SweepDriver:
         #: The engine's traits as preflight found them on a box (the driver never imports the engine).
         self.traits: EngineTraits | None = None
         self._shown_at = 0.0
+        self._started = time.monotonic()
         #: What killed the cluster under the sweep, or None while it lives (``lost.LocalWatch`` in local mode).
         self.cluster_lost: Callable[[], str | None] = lambda: None
 
@@ -212,6 +222,7 @@ class SweepDriver:
     def _loop(self) -> None:
         """Run until every cell has a row, no box is left, or the collector cannot store any more."""
         while not self.sink.storage_error:
+            self.stop.check()  # every pass: the waits below return within poll_s
             lost = self.cluster_lost()
             if lost:
                 raise ClusterLost(lost)
@@ -258,7 +269,7 @@ class SweepDriver:
 
     def run(self) -> Outcome:
         """Preflight, plan, the loop, the summary. Raises ``ClusterLost`` when the cluster dies under it."""
-        started = time.monotonic()
+        started = self._started = time.monotonic()
         try:
             return self._run(started)
         except ClusterLost as lost:
@@ -276,32 +287,29 @@ class SweepDriver:
 
     def _run(self, started: float) -> Outcome:
         self.preflight()
+        self.stop.check()  # a stop during preflight: nothing was written (cluster.run_sweep says so)
         stored = self.sink.open(self.opts.out_dir, self.opts.mode, self.boxes, self.opts.recorded())
-        stop: SweepInterrupted | None = None
+        self.todo = len(cells_to_run(self.cells, stored, self.opts.mode))  # what a stop now leaves not run
         loop_started = loop_finished = time.time()
         try:
+            self.stop.check()  # from here on a stop is recorded in OUT
             self._plan(stored)
             for box in self.boxes:
                 self.pool.add_box(box)
             self._show(force=True)
             loop_started = time.time()
             self._loop()
-        except SweepInterrupted as exc:
-            stop = exc
+        except SweepInterrupted as exc:  # self.stop holds it: recorded by _finish
             self._event(f"{exc.name} received: stopping the runners and writing what is stored")
-            self.sink.log("interrupted", signal=exc.name)
         finally:
             loop_finished = time.time()
             if self.cluster_lost() is None:  # a dead cluster's runners are gone, their results with them
                 for slot in self.pool.slots:
                     self.health.stop_runner(slot)
             self.progress.close()
-        self.sink.drain(10.0 if stop else 60.0)
+        summary, stop = self._finish()
         wall = time.monotonic() - started
         unrun = max(0, self.todo - self.sink.finished)
-        summary = self.sink.finish(self._run_record(wall, unrun, stop), self.opts.plots and stop is None)
-        if summary["storage_error"] and not self.sink.storage_error:  # noticed at the end (rows.jsonl gone)
-            self.sink.storage_error = summary["storage_error"]
         exit_code = self._summarise(summary, wall, unrun, stop)
         return Outcome(
             exit_code=exit_code,
@@ -323,9 +331,31 @@ class SweepDriver:
             },
         )
 
+    def _finish(self) -> tuple[dict[str, Any], SweepInterrupted | None]:
+        """Collect the rows in flight, write the final matrices, then decide and record the outcome.
+
+        A signal at any point before the outcome is recorded (while collecting or while the matrices are
+        written) makes it "stopped": the matrices the collector is writing are completed (all or none, see
+        staging.py), never cut off. One that comes after the record changes nothing. Returns the collector's
+        summary and the stop the outcome records."""
+        in_loop = self.stop.requested  # that stop was announced where the loop ended
+        self.sink.drain(10.0 if self.stop.requested else 60.0)
+        self.sink.final_matrices(self.opts.plots and not self.stop.requested)
+        stop = self.stop.interrupted()
+        if stop is not None:
+            if not in_loop:
+                self._event(f"{stop.name} received after the last cell: recording the sweep as stopped")
+            self.sink.log("stopped", signal=stop.name)
+        wall = time.monotonic() - self._started
+        unrun = max(0, self.todo - self.sink.finished)
+        summary = self.sink.finish(self._run_record(wall, unrun, stop))
+        if summary["storage_error"] and not self.sink.storage_error:  # noticed at the end (rows.jsonl gone)
+            self.sink.storage_error = summary["storage_error"]
+        return summary, stop
+
     def _outcome(self, stop: SweepInterrupted | None, unrun: int) -> str:
         if stop is not None:
-            return "interrupted"
+            return "stopped"
         if self.sink.storage_error:
             return "storage_failed"
         return "no_box_left" if unrun else "finished"

@@ -22,6 +22,11 @@ from pd_dflash.sweep.runner import input_refusal  # noqa: E402
 from tests.sweep.helpers import REPO, make_spec, stored_rows  # noqa: E402
 from tests.sweep.load_fault_engine import ENTRY_POINT as LOAD_FAULT  # noqa: E402
 
+#: These tests start local clusters and runners that import torch (a minute or two on a loaded machine): the
+#: generous per-test limit of cluster tests, not the unit tests' 120 s (tests/conftest.py), which [bad-paths]
+#: exceeded on a busy 2-core VM (three torch imports in series: preflight, then one runner per bad model).
+pytestmark = pytest.mark.ray
+
 
 def wrapped(exc: BaseException) -> RayTaskError:
     """The error ``ray.get`` raises for a task or actor method that raised ``exc`` (after a round trip)."""
