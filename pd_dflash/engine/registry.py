@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from pd_dflash.baselines import GATED, ORDER
 from pd_dflash.errors import InputError, excerpt, format_validation_error
 from pd_dflash.spec import ModelSpec, SweepSpec, load_spec
-from pd_dflash.spec_inputs import check_concurrency, check_here
+from pd_dflash.spec_inputs import check_concurrency, check_here, check_token_counts
 
 if TYPE_CHECKING:
     from pd_dflash.engine.interface import Engine
@@ -199,6 +199,7 @@ def check(spec: SweepSpec, *, where: str | None = None) -> SweepSpec:
             where=where or "<spec>",
         )
     check_concurrency(spec)  # whatever the engine: no more requests are in flight than there are
+    check_token_counts(spec)
     known = static_traits(spec.engine)
     if known is None:
         return spec

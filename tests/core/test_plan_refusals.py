@@ -162,3 +162,20 @@ def test_an_unread_axis_does_not_double_the_plan_it_is_refused_before(tmp_path, 
     data = spec_data(**MOE_INFINITY, memory={"expert_cache_fraction": [0.25, 0.5]})
     code, out = plan(tmp_path, capsys, data)
     assert code == 2 and "cells per model" not in out
+
+
+# -- token counts beyond any memory pre-check ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("workload", "field"),
+    [
+        ({"max_new_tokens": 10**9}, "workload.max_new_tokens"),
+        ({"prompt_tokens": 10**9}, "workload.prompt_tokens"),
+    ],
+)
+def test_token_counts_no_model_holds_are_refused_at_plan_for_every_engine(tmp_path, capsys, workload, field):
+    # MoE-Infinity: its checkpoint's positions are not known at plan; the bound holds for every engine.
+    code, err = plan(tmp_path, capsys, spec_data(**MOE_INFINITY, workload=workload))
+    assert code == 2, err
+    assert field in err and "16,777,216" in err and "Traceback" not in err

@@ -99,3 +99,29 @@ def test_the_engine_refuses_a_cell_whose_prompts_run_past_the_positions(micro):
     reason = refused.value.reason
     assert "2,040 tokens" in reason and "max_position_embeddings" in reason and "2,048" in reason
     assert "B = 8" in reason and "workload.max_new_tokens (12)" in reason
+
+
+def test_the_cpu_engine_checks_its_kv_cache_against_host_memory_before_allocating(micro):
+    # The CPU engine's "device" is the host: a KV cache the host cannot hold is REFUSED (never an allocation
+    # error, an ERROR row with a --retry-errors hint that could only fail again).
+    from pd_dflash.engine.interface import EngineContext
+    from pd_dflash.engine.reference.engine import ReferenceEngine
+
+    class Host(ReferenceEngine):
+        host = None  # unknown at load (nothing checked), then set per cell
+
+        def host_available_bytes(self):
+            return self.host
+
+    spec = make_spec(baselines=("B3",), concurrency=(4,))
+    engine = Host(EngineContext.for_model(spec, device="cpu"))
+    engine.host = 10**6  # less than the 512 MiB headroom alone
+    with pytest.raises(Refused) as refused:
+        engine.run_cell(expand(spec)[0])
+    reason = refused.value.reason
+    assert refused.value.status == Status.REFUSED
+    assert "of host memory but only 1,000,000 B" in reason and "KV cache" in reason
+    assert "workload.max_new_tokens" in reason
+    engine.host = None
+    assert engine.run_cell(expand(spec)[0]).status == Status.OK
+    engine.close()
