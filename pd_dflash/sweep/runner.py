@@ -144,6 +144,8 @@ class Runner:
                 result = self.engine.run_cell(cell)
             except Refused as refusal:  # the one place a refusal becomes a row
                 result = refusal.result()
+            except InputError as exc:  # a bad input met while running: the same every time, so not an ERROR
+                result = Refused(Status.REFUSED, short(str(exc))).result()
             seconds = time.perf_counter() - t0
             result = result.model_copy(update={"engine": {**self.describe, **result.engine}})
             row = Row.from_result(cell, result, **bookkeeping, finished_at=utc_now())

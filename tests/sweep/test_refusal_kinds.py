@@ -11,6 +11,7 @@ ray = pytest.importorskip("ray")
 from pd_dflash.baselines import ORDER  # noqa: E402
 from pd_dflash.engine.interface import Refused  # noqa: E402
 from pd_dflash.engine.registry import EngineTraits  # noqa: E402
+from pd_dflash.errors import InputError  # noqa: E402
 from pd_dflash.schema import Row, Status  # noqa: E402
 from pd_dflash.spec import Cell, expand  # noqa: E402
 from pd_dflash.sweep.cluster import run_sweep  # noqa: E402
@@ -22,7 +23,8 @@ ENTRY_POINT = "tests.sweep.test_refusal_kinds:RefusingEngine"
 
 
 class RefusingEngine(FixedDurationEngine):
-    """B1 of model ``doc`` refused as documented, B1 of model ``bad`` as the spec's doing; B2 never run."""
+    """B1 of model ``doc`` refused as documented, B1 of model ``bad`` as the spec's doing (and its B0 at c = 2
+    meets a bad input while running); B2 never run."""
 
     traits = EngineTraits(
         entry_point=ENTRY_POINT,
@@ -36,6 +38,8 @@ class RefusingEngine(FixedDurationEngine):
             raise Refused(Status.REFUSED, "this build lacks the B1 switch", kind="documented")
         if cell.baseline == "B1" and cell.model == "bad":
             raise Refused(Status.REFUSED, "memory.expert_cache_fraction holds every expert")
+        if cell.baseline == "B0" and cell.model == "bad" and cell.concurrency == 2:  # met while running
+            raise InputError("prompt 3 encodes to no token", where="workload.prompts")
         return super().run_cell(cell)
 
 
@@ -80,6 +84,16 @@ def test_a_run_with_refusals_of_the_users_making_exits_non_zero_and_says_so(tmp_
                 rows[(model, "B2", c)].status == Status.REFUSED
                 and rows[(model, "B2", c)].refusal == "documented"
             )
-            assert rows[(model, "B0", c)].status == Status.OK
+    assert (
+        rows[("doc", "B0", 1)].status
+        == rows[("doc", "B0", 2)].status
+        == rows[("bad", "B0", 1)].status
+        == Status.OK
+    )
+    # A deterministic input error met at run time is REFUSED with its reason, never an ERROR to --retry-errors.
+    met = rows[("bad", "B0", 2)]
+    assert (
+        met.status == Status.REFUSED and met.refusal == "input" and "workload.prompts: prompt 3" in met.reason
+    )
     assert outcome.exit_code == 1
-    assert "2 cells REFUSED for what the spec or its inputs ask" in capsys.readouterr().out
+    assert "3 cells REFUSED for what the spec or its inputs ask" in capsys.readouterr().out
