@@ -95,6 +95,13 @@ def _reference_spec(spec: SweepSpec) -> list[str]:
     return check_spec(spec)
 
 
+def _moe_infinity_spec(spec: SweepSpec) -> list[str]:
+    """Visible checkpoints' positions against the spec's longest cell (torch-free, library-free)."""
+    from pd_dflash.engine.moe_infinity.spec_check import check_spec
+
+    return check_spec(spec)
+
+
 def _moe_infinity_model(model: ModelSpec, where: str) -> None:
     if not model.offload_dir:
         raise InputError(
@@ -133,6 +140,7 @@ BUILTIN: dict[str, EngineTraits] = {
             "Without it use engine 'reference'",
         },
         check_model=_moe_infinity_model,
+        check_spec=_moe_infinity_spec,
         # Its prompts (moe_infinity/prompts.py): synthetic paragraphs or a plain text file, no chat template.
         reads=frozenset({"memory.device_memory_ratio", "memory.resident_memory_ratio"}),
         prompt_kinds=frozenset({"synthetic", "lines"}),

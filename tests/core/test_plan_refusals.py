@@ -179,3 +179,19 @@ def test_token_counts_no_model_holds_are_refused_at_plan_for_every_engine(tmp_pa
     code, err = plan(tmp_path, capsys, spec_data(**MOE_INFINITY, workload=workload))
     assert code == 2, err
     assert field in err and "16,777,216" in err and "Traceback" not in err
+
+
+def test_moe_infinity_checks_a_visible_checkpoints_positions_at_plan(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"max_position_embeddings": 128}')
+    model = {**MOE_INFINITY["models"][0], "path": str(ckpt)}
+    # The adapter's synthetic prompts are windows of exactly prompt_tokens: 89 + 32 (auto) + 8 > 128.
+    data = spec_data(**{**MOE_INFINITY, "models": [model]}, workload={"prompt_tokens": 89})
+    code, err = plan(tmp_path, capsys, data)
+    assert code == 2, err
+    assert "models.0" in err and "89 tokens" in err and "128" in err and str(ckpt / "config.json") in err
+    data = spec_data(
+        **{**MOE_INFINITY, "models": [model]}, workload={"prompt_tokens": 88}
+    )  # 88 + 32 + 8 = 128
+    assert plan(tmp_path, capsys, data)[0] == 0

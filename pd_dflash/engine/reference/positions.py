@@ -78,7 +78,7 @@ def checkpoint_prompt_length(spec, directory: Path, texts: PromptTexts, *, chat:
     if prompt_kind(spec.workload.prompts) == "synthetic":
         return PromptLength(max(2, spec.workload.prompt_tokens))
     found = texts.texts()
-    encode = _encoder(directory / "tokenizer.json", special=not chat)
+    encode = encoder(directory / "tokenizer.json", special=not chat)
     if not found or encode is None:
         return None
     if chat and texts.source == HUMANEVAL:
@@ -86,7 +86,7 @@ def checkpoint_prompt_length(spec, directory: Path, texts: PromptTexts, *, chat:
     return PromptLength(max(encode(t) for t in found), lower=chat)
 
 
-def _encoder(path: Path, *, special: bool) -> Callable[[str], int] | None:
+def encoder(path: Path, *, special: bool) -> Callable[[str], int] | None:
     """Token count of a text through the tokenizer file (None: no file here, or no ``tokenizers`` library)."""
     if not path.is_file():
         return None
