@@ -195,3 +195,12 @@ def test_moe_infinity_checks_a_visible_checkpoints_positions_at_plan(tmp_path, c
         **{**MOE_INFINITY, "models": [model]}, workload={"prompt_tokens": 88}
     )  # 88 + 32 + 8 = 128
     assert plan(tmp_path, capsys, data)[0] == 0
+
+
+def test_run_refuses_what_plan_refuses_before_ray_starts(tmp_path, capsys):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec_data(concurrency=[16], workload={"requests": 8})))
+    capsys.readouterr()
+    assert main(["run", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "workload.requests = 8" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
