@@ -4,6 +4,8 @@ a checkpoint or file it names, a load the engine refused) makes the run exit non
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -95,5 +97,9 @@ def test_a_run_with_refusals_of_the_users_making_exits_non_zero_and_says_so(tmp_
     assert (
         met.status == Status.REFUSED and met.refusal == "input" and "workload.prompts: prompt 3" in met.reason
     )
+    matrix = json.loads((out / "result_matrix.json").read_text())  # the report reads rows with a kind
+    assert matrix["bad|B8|c1"]["B1"]["status"] == matrix["doc|B8|c1"]["B1"]["status"] == "REFUSED"
     assert outcome.exit_code == 1
-    assert "3 cells REFUSED for what the spec or its inputs ask" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "writing the result matrices failed" not in said
+    assert "3 cells REFUSED for what the spec or its inputs ask" in said
