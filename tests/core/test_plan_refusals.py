@@ -204,3 +204,12 @@ def test_run_refuses_what_plan_refuses_before_ray_starts(tmp_path, capsys):
     assert main(["run", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
     assert "workload.requests = 8" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_preset_refuses_text_prompts_at_plan_it_has_no_tokenizer(tmp_path, capsys):
+    code, err = plan(tmp_path, capsys, spec_data(workload={"prompts": "humaneval"}))
+    assert code == 2 and "workload.prompts" in err and "need a tokenizer" in err and "micro" in err, err
+    words = tmp_path / "words.txt"
+    words.write_text("12 13\nwrite a function that sorts a list\n")
+    code, err = plan(tmp_path, capsys, spec_data(workload={"prompts": str(words)}))
+    assert code == 2 and "prompt 2" in err and "token ids" in err, err

@@ -25,10 +25,11 @@ from pd_dflash.engine.interface import Refused
 from pd_dflash.engine.reference.prompts import (
     HUMANEVAL,
     HUMANEVAL_INSTRUCTION,
+    WHERE,
     load_prompt_texts,
     prompt_kind,
 )
-from pd_dflash.errors import InputError
+from pd_dflash.errors import InputError, excerpt
 from pd_dflash.schema import Status
 from pd_dflash.spec_inputs import generation_tokens, positions_problem, prompt_file
 
@@ -64,13 +65,31 @@ class PromptTexts:
         return self._texts
 
 
-def preset_prompt_length(spec, texts: PromptTexts) -> PromptLength | None:
-    """A preset's longest prompt: synthetic ``prompt_tokens``, or the token ids of a plain file's lines."""
-    kind = prompt_kind(spec.workload.prompts)
+def preset_prompt_length(spec, texts: PromptTexts, preset) -> PromptLength | None:
+    """A preset's longest prompt: synthetic ``prompt_tokens``, or the token ids of a plain file's lines (each
+    an id of the preset's vocabulary). A preset has no tokenizer: text prompts are refused (InputError)."""
+    source = spec.workload.prompts
+    kind = prompt_kind(source)
     if kind == "synthetic":
         return PromptLength(max(2, spec.workload.prompt_tokens))
-    found = texts.texts() if kind == "lines" else None
-    return PromptLength(max(len(t.split()) for t in found)) if found else None
+    found = texts.texts()
+    if kind == HUMANEVAL or (kind == "jsonl" and found):
+        raise InputError(
+            f"{excerpt(source)} prompts are text and need a tokenizer, but preset {preset.name} has none (it "
+            "speaks a synthetic language): use prompts: synthetic, or a plain file of token ids",
+            where=WHERE,
+        )
+    if not found:
+        return None
+    vocab = preset.language.vocab_size
+    for i, line in enumerate(found):
+        if not all(t.isdigit() and int(t) < vocab for t in line.split()):
+            raise InputError(
+                f"{source}: prompt {i + 1}: preset {preset.name} has no tokenizer, so a prompt line must be "
+                f"token ids in [0, {vocab})",
+                where=WHERE,
+            )
+    return PromptLength(max(len(t.split()) for t in found))
 
 
 def checkpoint_prompt_length(spec, directory: Path, texts: PromptTexts, *, chat: bool) -> PromptLength | None:
