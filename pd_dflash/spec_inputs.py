@@ -117,6 +117,27 @@ def check_concurrency(spec: Any) -> None:
         )
 
 
+#: The most positions one request may need (prompt + max_new_tokens + B), whatever the engine: beyond every
+#: released model's context (the longest are ~10M tokens), so no engine's memory pre-check can hold it.
+MAX_REQUEST_TOKENS = 2**24
+
+
+def check_token_counts(spec: Any) -> None:
+    """Token counts no model can hold, refused for every engine before any model is known (InputError naming the
+    field and :data:`MAX_REQUEST_TOKENS`); a known model's own positions are its engine's check."""
+    max_new, block = generation_tokens(spec)
+    wl = spec.workload
+    prompt = max(2, wl.prompt_tokens) if wl.prompts == "synthetic" else 0
+    if prompt + max_new + block > MAX_REQUEST_TOKENS:
+        field = "workload.max_new_tokens" if max_new >= prompt else "workload.prompt_tokens"
+        raise InputError(
+            f"a request would need {how_many(prompt + max_new + block)} positions (prompt {how_many(prompt)} + "
+            f"max_new_tokens {how_many(max_new)} + block {block}), more than {MAX_REQUEST_TOKENS:,}, beyond any "
+            "model's context and any memory pre-check: lower it",
+            where=field,
+        )
+
+
 def generation_tokens(spec: Any) -> tuple[int, int]:
     """(max_new_tokens, block) of the spec's cell that needs the most positions past its prompt: a speculative
     cell's verify block writes up to B positions past what it has committed, an autoregressive one none."""

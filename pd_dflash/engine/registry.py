@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from pd_dflash.baselines import GATED, ORDER
 from pd_dflash.errors import InputError, excerpt, format_validation_error
 from pd_dflash.spec import ModelSpec, SweepSpec, load_spec
-from pd_dflash.spec_inputs import check_concurrency, check_here
+from pd_dflash.spec_inputs import check_concurrency, check_here, check_token_counts
 
 if TYPE_CHECKING:
     from pd_dflash.engine.interface import Engine
@@ -95,6 +95,13 @@ def _reference_spec(spec: SweepSpec) -> list[str]:
     return check_spec(spec)
 
 
+def _moe_infinity_spec(spec: SweepSpec) -> list[str]:
+    """Visible checkpoints' positions against the spec's longest cell (torch-free, library-free)."""
+    from pd_dflash.engine.moe_infinity.spec_check import check_spec
+
+    return check_spec(spec)
+
+
 def _moe_infinity_model(model: ModelSpec, where: str) -> None:
     if not model.offload_dir:
         raise InputError(
@@ -133,6 +140,7 @@ BUILTIN: dict[str, EngineTraits] = {
             "Without it use engine 'reference'",
         },
         check_model=_moe_infinity_model,
+        check_spec=_moe_infinity_spec,
         # Its prompts (moe_infinity/prompts.py): synthetic paragraphs or a plain text file, no chat template.
         reads=frozenset({"memory.device_memory_ratio", "memory.resident_memory_ratio"}),
         prompt_kinds=frozenset({"synthetic", "lines"}),
@@ -199,6 +207,7 @@ def check(spec: SweepSpec, *, where: str | None = None) -> SweepSpec:
             where=where or "<spec>",
         )
     check_concurrency(spec)  # whatever the engine: no more requests are in flight than there are
+    check_token_counts(spec)
     known = static_traits(spec.engine)
     if known is None:
         return spec

@@ -115,7 +115,13 @@ class SweepDriver:
             if reason:
                 blocked += 1
                 row = Row.without_metrics(
-                    cell, Status.REFUSED, reason, attempt=attempt, sweep=self.spec.name, finished_at=utc_now()
+                    cell,
+                    Status.REFUSED,
+                    reason,
+                    refusal="documented",  # the engine's declared scope (registry), not counted
+                    attempt=attempt,
+                    sweep=self.spec.name,
+                    finished_at=utc_now(),
                 )
                 self.sink.store(row, None)
             else:
@@ -405,5 +411,11 @@ class SweepDriver:
             return 128 + stop.signum
         if unrun:
             self._event(f"{unrun} cells not run: no box left in rotation (rerun to resume them)")
+        refused = summary.get("refused_input", 0)  # of the user's own making (schema.RefusalKind)
+        if refused:
+            self._event(
+                f"{refused} cells REFUSED for what the spec or its inputs ask (each row's reason says what; "
+                "documented refusals are not counted): fix it and rerun with --restart"
+            )
         complete = counts["stored"] == counts["total"]
-        return 0 if complete and not failed_now and not summary["matrix_errors"] else 1
+        return 0 if complete and not failed_now and not refused and not summary["matrix_errors"] else 1

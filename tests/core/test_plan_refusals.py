@@ -162,3 +162,54 @@ def test_an_unread_axis_does_not_double_the_plan_it_is_refused_before(tmp_path, 
     data = spec_data(**MOE_INFINITY, memory={"expert_cache_fraction": [0.25, 0.5]})
     code, out = plan(tmp_path, capsys, data)
     assert code == 2 and "cells per model" not in out
+
+
+# -- token counts beyond any memory pre-check ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("workload", "field"),
+    [
+        ({"max_new_tokens": 10**9}, "workload.max_new_tokens"),
+        ({"prompt_tokens": 10**9}, "workload.prompt_tokens"),
+    ],
+)
+def test_token_counts_no_model_holds_are_refused_at_plan_for_every_engine(tmp_path, capsys, workload, field):
+    # MoE-Infinity: its checkpoint's positions are not known at plan; the bound holds for every engine.
+    code, err = plan(tmp_path, capsys, spec_data(**MOE_INFINITY, workload=workload))
+    assert code == 2, err
+    assert field in err and "16,777,216" in err and "Traceback" not in err
+
+
+def test_moe_infinity_checks_a_visible_checkpoints_positions_at_plan(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"max_position_embeddings": 128}')
+    model = {**MOE_INFINITY["models"][0], "path": str(ckpt)}
+    # The adapter's synthetic prompts are windows of exactly prompt_tokens: 89 + 32 (auto) + 8 > 128.
+    data = spec_data(**{**MOE_INFINITY, "models": [model]}, workload={"prompt_tokens": 89})
+    code, err = plan(tmp_path, capsys, data)
+    assert code == 2, err
+    assert "models.0" in err and "89 tokens" in err and "128" in err and str(ckpt / "config.json") in err
+    data = spec_data(
+        **{**MOE_INFINITY, "models": [model]}, workload={"prompt_tokens": 88}
+    )  # 88 + 32 + 8 = 128
+    assert plan(tmp_path, capsys, data)[0] == 0
+
+
+def test_run_refuses_what_plan_refuses_before_ray_starts(tmp_path, capsys):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec_data(concurrency=[16], workload={"requests": 8})))
+    capsys.readouterr()
+    assert main(["run", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "workload.requests = 8" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_preset_refuses_text_prompts_at_plan_it_has_no_tokenizer(tmp_path, capsys):
+    code, err = plan(tmp_path, capsys, spec_data(workload={"prompts": "humaneval"}))
+    assert code == 2 and "workload.prompts" in err and "need a tokenizer" in err and "micro" in err, err
+    words = tmp_path / "words.txt"
+    words.write_text("12 13\nwrite a function that sorts a list\n")
+    code, err = plan(tmp_path, capsys, spec_data(workload={"prompts": str(words)}))
+    assert code == 2 and "prompt 2" in err and "token ids" in err, err

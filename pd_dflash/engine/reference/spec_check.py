@@ -41,7 +41,9 @@ def check_spec(spec: Any) -> list[str]:
             preset = PRESETS.get(m.preset or m.id)  # an unknown one is registry.check's to name
             if preset is not None:
                 bound = f"max_positions of preset {preset.name}"
-                check_positions(spec, i, m.id, preset.max_positions, bound, preset_prompt_length(spec, texts))
+                check_positions(
+                    spec, i, m.id, preset.max_positions, bound, preset_prompt_length(spec, texts, preset)
+                )
             continue
         found = resolve(m.id, m.path, env=env)
         if found.source == "tiny-real":

@@ -64,7 +64,7 @@ def test_a_text_prompt_beyond_a_checkpoints_positions_is_refused_at_plan(qwen, t
     code, err = plan(write_spec(tmp_path, "org/tiny-base", qwen, f"file:{prompts}"), capsys)
     assert code == 2, err
     assert "models.0" in err and "max_position_embeddings" in err and str(qwen / "config.json") in err
-    assert "256" in err and "at least" not in err  # a base target's prompt is tokenized as the engine does
+    assert "256" in err and "at least 300 tokens" in err  # the prompt's own tokens (a character tokenizer)
     prompts.write_text(json.dumps({"prompt": "x" * 200}) + "\n")  # 200 + 16 + 8 fits in 256
     assert plan(write_spec(tmp_path, "org/tiny-base", qwen, f"file:{prompts}"), capsys)[0] == 0
 
@@ -99,3 +99,29 @@ def test_the_engine_refuses_a_cell_whose_prompts_run_past_the_positions(micro):
     reason = refused.value.reason
     assert "2,040 tokens" in reason and "max_position_embeddings" in reason and "2,048" in reason
     assert "B = 8" in reason and "workload.max_new_tokens (12)" in reason
+
+
+def test_the_cpu_engine_checks_its_kv_cache_against_host_memory_before_allocating(micro):
+    # The CPU engine's "device" is the host: a KV cache the host cannot hold is REFUSED (never an allocation
+    # error, an ERROR row with a --retry-errors hint that could only fail again).
+    from pd_dflash.engine.interface import EngineContext
+    from pd_dflash.engine.reference.engine import ReferenceEngine
+
+    class Host(ReferenceEngine):
+        host = None  # unknown at load (nothing checked), then set per cell
+
+        def host_available_bytes(self):
+            return self.host
+
+    spec = make_spec(baselines=("B3",), concurrency=(4,))
+    engine = Host(EngineContext.for_model(spec, device="cpu"))
+    engine.host = 10**6  # less than the 512 MiB headroom alone
+    with pytest.raises(Refused) as refused:
+        engine.run_cell(expand(spec)[0])
+    reason = refused.value.reason
+    assert refused.value.status == Status.REFUSED
+    assert "of host memory but only 1,000,000 B" in reason and "KV cache" in reason
+    assert "workload.max_new_tokens" in reason
+    engine.host = None
+    assert engine.run_cell(expand(spec)[0]).status == Status.OK
+    engine.close()

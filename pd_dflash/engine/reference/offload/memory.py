@@ -83,19 +83,30 @@ def require(what: str, needed: int, available: int | None, fix: str, where: str)
 
 
 def require_cell_device_memory(
-    cell, store, capacity: int, config, dtype: torch.dtype, *, tokens: int, available: int | None
+    cell,
+    store,
+    capacity: int,
+    config,
+    dtype: torch.dtype,
+    *,
+    tokens: int,
+    available: int | None,
+    where: str = "device",
 ) -> None:
     """A cell's expert cache + an upper bound of its KV cache (``tokens`` per request, c requests) + headroom
-    must fit on the device before anything is allocated."""
+    must fit in ``available`` bytes of ``where`` ("device"; "host" for the CPU engine, whose device is the host)
+    before anything is allocated."""
     slots = min(capacity // store.expert_nbytes, store.num_entries)
     cache = slots * store.device_slot_nbytes(
         dtype, linked=cell.offloaded
     )  # device bytes, dequantised included
     kv = kv_cache_bytes(config, tokens, cell.concurrency, torch.empty((), dtype=dtype).element_size())
     fix = (
-        "lower memory.expert_cache_fraction (or engine_options.expert_cache_bytes) or the concurrency"
+        "lower memory.expert_cache_fraction (or engine_options.expert_cache_bytes), the concurrency or "
+        "workload.max_new_tokens"
         if cell.offloaded
-        else "B3 holds every expert on the device: it needs a GPU that holds them all"
+        else "B3 holds every expert on the device: it needs a GPU that holds them all (or fewer KV tokens: "
+        "the concurrency, workload.max_new_tokens)"
     )
     require(
         f"{cell.baseline} at c = {cell.concurrency}: the expert cache ({cache:,} B, {slots} slots) + the KV "
@@ -103,7 +114,7 @@ def require_cell_device_memory(
         cache + kv + DEVICE_HEADROOM_BYTES,
         available,
         fix,
-        "device",
+        where,
     )
 
 
