@@ -7,7 +7,7 @@ import hashlib
 import io
 import re
 
-from pd_dflash.baselines import BY_NAME, ORDER
+from pd_dflash.baselines import BY_NAME, CANDIDATE, ORDER, SPECULATIVE_BASE
 from pd_dflash.report.aggregate import Matrix
 
 TOKENS = "output_tokens_per_second"
@@ -87,7 +87,7 @@ def _coverage_waste(matrix: Matrix, model: str, blocks: list[int], concs: list[i
         (ax_waste, "route_ahead.waste_ratio", "waste ratio"),
     ):
         series = _series(matrix, model, column)
-        for b, style in (("OURS", "-"), ("B1", ":")):
+        for b, style in ((CANDIDATE, "-"), (SPECULATIVE_BASE, ":")):
             for c in concs:
                 pts = [(bsz, m, h) for bsz in blocks for (cc, m, h) in series.get((b, bsz), []) if cc == c]
                 if pts:
@@ -159,7 +159,7 @@ def ours_over_b1(matrix: Matrix) -> dict[tuple[str, int, int], dict[float, list[
         ablation = placed[0].row.ablation if placed else None
         if not ablation or not {"expert_cache_fraction", "emulated_h2d_gbps"} <= set(ablation):
             continue
-        ours, b1 = matrix.mean(key, "OURS", TOKENS), matrix.mean(key, "B1", TOKENS)
+        ours, b1 = matrix.mean(key, CANDIDATE, TOKENS), matrix.mean(key, SPECULATIVE_BASE, TOKENS)
         if ours is None or not b1:
             continue
         series = out.setdefault((placed[0].row.model, g.block_size, g.concurrency), {})
