@@ -11,7 +11,6 @@ import pytest
 import yaml
 
 from pd_dflash.cli import main
-from pd_dflash.errors import InputError
 from pd_dflash.report import build_report
 from pd_dflash.report.aggregate import build_matrix, scaled_moments, summary_stats
 from pd_dflash.schema import Row, parse_row
@@ -129,3 +128,10 @@ def test_an_unquoted_yes_or_number_where_text_is_wanted_says_to_quote_it(tmp_pat
     code = main(["plan", str(path)])
     err = capsys.readouterr().err
     assert code == 2 and "name" in err and hint in err and "quote it to keep it text" in err, err
+
+
+def test_plots_of_values_near_the_float_range_are_drawn_without_them():
+    s = gate_spec(repeats=2)
+    rows = rows_of(s, OURS={"output_tokens_per_second": 1.7e308}, B3={"output_tokens_per_second": 1.7e308})
+    _, files = build_report(rows, Gates(), spec=s, plots=True)
+    assert any(name.startswith("plots/") and name.endswith("tokens_per_second.png") for name in files)
