@@ -43,16 +43,17 @@ def format_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
 
 def _how_to_fix(err: Any, got: Any, loc: str) -> str:
     """The fix, where it is known: YAML reads an unquoted ``2025-08-05`` as a date and ``yes``/``on`` as a
-    boolean, so a field that wants text gets something else; quoting it keeps it text."""
+    boolean, and a number is no text in YAML or JSON, so a field that wants text gets something else; quoting
+    it keeps it text."""
     if err.get("type") != "string_type":
         return ""
     key = loc.rsplit(".", 1)[-1] or "the value"
     if isinstance(got, (datetime.date, datetime.time)):  # datetime.datetime is a date
         return f'; YAML read an unquoted date: quote it, e.g. {key}: "{got.isoformat()}"'
     if isinstance(got, bool):
-        return "; YAML read an unquoted yes/no/on/off/true/false as a boolean: quote it to keep it text"
+        return "; quote it to keep it text (YAML reads an unquoted yes/no/on/off/true/false as a boolean)"
     if isinstance(got, (int, float)):
-        return "; YAML read an unquoted number: quote it to keep it text"
+        return "; quote it to keep it text (a number, unquoted)"
     return ""
 
 

@@ -37,7 +37,8 @@ PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 
 @dataclass(frozen=True)
 class Interval:
-    """A mean's 95 % interval, or why there is none (``low``/``high`` None)."""
+    """A mean's 95 % interval (``why``: how it was formed, e.g. paired by repeat), or why there is none
+    (``low``/``high`` None)."""
 
     low: float | None
     high: float | None

@@ -121,7 +121,7 @@ def test_an_unquoted_yaml_date_says_to_quote_it(tmp_path, capsys):
     assert 'quote it, e.g. chat_date: "2025-08-05"' in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize(("value", "hint"), [("yes", "as a boolean"), ("1.5", "an unquoted number")])
+@pytest.mark.parametrize(("value", "hint"), [("yes", "as a boolean"), ("1.5", "a number, unquoted")])
 def test_an_unquoted_yes_or_number_where_text_is_wanted_says_to_quote_it(tmp_path, capsys, value, hint):
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec_data()).replace("name: t\n", f"name: {value}\n"))
