@@ -295,6 +295,9 @@ class Row(EngineResult):
     #: The cell's ablation values (``ablation.ABLATION_AXES``): part of its identity and of its report group.
     ablation: dict[str, float] | None = None
     max_new_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
+    #: The seed of the repeat's sample of the workload (``spec.sample_seed``): the configurations of one repeat
+    #: share it (paired), the repeats differ (independent samples). Absent on upstream rows.
+    sample_seed: Annotated[int, Field(strict=True)] | None = None
     #: Host, device, driver, package versions, git revision of the runner that measured the row.
     environment: dict[str, Any] | None = None
     #: Which runner measured it: node id/ip, GPU ids Ray assigned, actor pid.
@@ -365,6 +368,7 @@ def _cell_fields(cell: Cell) -> dict[str, Any]:
         "cell_id": cell.cell_id,
         "block_sizes_covered": list(cell.block_sizes_covered),
         "max_new_tokens": cell.max_new_tokens,
+        "sample_seed": cell.sample_seed,
         **({"ablation": dict(cell.ablation)} if cell.ablation else {}),
     }
 

@@ -266,7 +266,7 @@ class ReferenceEngine(Engine):
     def _warm_up(self, cell: Cell, setup: _CellSetup) -> float:
         """Serve the warm-up requests, then reset the counters and statistics (cache contents and prefetch
         history stay warm); returns its seconds."""
-        torch.manual_seed(self.ctx.workload.seed)
+        torch.manual_seed(cell.sample_seed)
         start = time.perf_counter()
         if setup.warm:
             self._serve(cell, setup.warm, setup)
@@ -320,12 +320,12 @@ class ReferenceEngine(Engine):
         return self.offload.link_bytes_per_second(cell)
 
     def _requests(self, cell: Cell, n: int, *, max_new: int, stream: int, tag: str) -> list[Request]:
-        wl = self.ctx.workload
+        wl, seed = self.ctx.workload, cell.sample_seed  # the repeat's sample: prompts, order, sampling
         if n == 0:
             return []
         try:
             prompts = make_prompts(
-                self.loaded, wl.prompts, n, wl.prompt_tokens, wl.seed + 1_000_003 * stream, wl.chat_date
+                self.loaded, wl.prompts, n, wl.prompt_tokens, seed + 1_000_003 * stream, wl.chat_date
             )
         except InputError as exc:  # e.g. an instruct target's tokenizer without a chat template
             raise Refused(Status.REFUSED, str(exc)) from None
@@ -334,7 +334,7 @@ class ReferenceEngine(Engine):
             gen = None
             if wl.temperature > 0:
                 gen = torch.Generator(device=self.device)
-                gen.manual_seed(wl.seed * 1_000_003 + 7919 * stream + i)
+                gen.manual_seed(seed * 1_000_003 + 7919 * stream + i)
             out.append(Request(f"{tag}{i}", prompt, max_new, self.loaded.eos_token_ids, gen))
         return out
 
