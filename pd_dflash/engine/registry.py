@@ -73,9 +73,12 @@ def _reference_model(model: ModelSpec, where: str) -> None:
 
 
 def _reference_spec(spec: SweepSpec) -> list[str]:
-    """Real checkpoints (and their drafters) visible from here; a checkpoint that is not: a note."""
+    """Every baseline's parts have a factory (``cell.py``); real checkpoints (and their drafters) visible from
+    here; a checkpoint that is not: a note."""
+    from pd_dflash.engine.reference.cell import check_configurations
     from pd_dflash.engine.reference.spec_check import check_spec
 
+    check_configurations(spec.baselines)
     return check_spec(spec)
 
 

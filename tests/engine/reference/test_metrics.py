@@ -403,7 +403,7 @@ def test_prediction_facts_split_waste_into_mispredicted_and_rejected_rows():
     }
     assert facts["issue"] == {"issued": 4}
     sizeless = metrics.prediction_facts(
-        runtime(stats=route_stats(nbytes=False), prefetcher=SimpleNamespace()), NBYTES
+        runtime(stats=route_stats(nbytes=False), prefetcher=SimpleNamespace(counters={})), NBYTES
     )
     assert "mispredicted_bytes" not in sizeless and "issue" not in sizeless
     vacuous = metrics.prediction_facts(runtime(stats=RouteAheadStats()), NBYTES)

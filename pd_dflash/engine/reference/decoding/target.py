@@ -309,6 +309,7 @@ class AutoregressiveDecoding:
     """Proposer and commit rule of AR decoding: width-1 blocks (the whole prompt on the first round)."""
 
     speculative = False
+    block_size = 1
     capture: tuple[int, ...] = ()
 
     def __init__(self, temperature: float = 0.0) -> None:
