@@ -97,7 +97,7 @@ BUILTIN: dict[str, EngineTraits] = {
         requires=("torch", "transformers"),
         check_model=_reference_model,
         check_spec=_reference_spec,
-        host_memory="pd_dflash.engine.reference.offload.host_memory:runner_host_memory_bytes",
+        host_memory="pd_dflash.engine.reference.checkpoints.host_memory:runner_host_memory_bytes",
     ),
     "moe_infinity": EngineTraits(
         entry_point="pd_dflash.engine.moe_infinity.engine:MoEInfinityEngine",

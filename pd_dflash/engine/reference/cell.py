@@ -191,7 +191,7 @@ def check_configurations(names: Iterable[str], where: str = "baselines") -> None
 
 def _factory(table: dict[str, Any], field: str, c: Configuration) -> Any:
     """The factory of one part (loudly, if the plan-time check was bypassed)."""
-    value = getattr(c, field)
+    value = next(v for f, v, _ in _tables(c) if f == field)
     if value not in table:
         raise LookupError(f"{c.name}'s {field} {value!r} has no factory (engine/reference/cell.py)")
     return table[value]

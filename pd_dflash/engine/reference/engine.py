@@ -26,7 +26,6 @@ from pd_dflash.engine.reference.cell import ConfiguredCell, PartInputs, configur
 from pd_dflash.engine.reference.decoding.loop import RoundRecord, run_requests
 from pd_dflash.engine.reference.decoding.target import Request, TargetModel
 from pd_dflash.engine.reference.drafters import Drafters
-from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts, cell_trace
 from pd_dflash.engine.reference.models import load_model, make_prompts
 from pd_dflash.engine.reference.offload.cell import Offload, expert_cache_capacity
 from pd_dflash.engine.reference.offload.memory import (
@@ -42,6 +41,7 @@ from pd_dflash.engine.reference.options import ReferenceOptions
 from pd_dflash.engine.reference.prompts import prompt_facts
 from pd_dflash.engine.reference.requirements import require_transformers
 from pd_dflash.engine.reference.seams import Admission, Decoding
+from pd_dflash.engine.reference.trace import CellMeasurement, LinkFacts, cell_trace
 from pd_dflash.errors import InputError
 from pd_dflash.schema import EngineResult, Status
 from pd_dflash.spec import Cell
@@ -122,7 +122,7 @@ class ReferenceEngine(Engine):
         )
         self.drafters = Drafters(self.target, self.loaded, ctx.model, self.options)
         #: What each cell's offload is built from (None when the load was refused: no cell runs).
-        self.offload = None
+        self.offload: Offload | None = None
         if self.store is not None:
             self.offload = Offload(
                 self.target,
@@ -204,9 +204,8 @@ class ReferenceEngine(Engine):
             return result
 
     def close(self) -> None:
-        self.target = None
-        self.loaded = None
-        self.drafters = None
+        for name in ("target", "loaded", "drafters"):  # the model, its drafters and their memory
+            self.__dict__.pop(name, None)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -215,7 +214,7 @@ class ReferenceEngine(Engine):
     def _setup(self, cc: ConfiguredCell, capacity: int) -> Iterator[_CellSetup]:
         """The cell's requests and parts (the drafter loads at the first speculative cell), its expert cache and
         runtime; the cache and its link are closed when the cell ends."""
-        start, cell = time.perf_counter(), cc.cell
+        start, cell, offload = time.perf_counter(), cc.cell, self._offload()
         wl = self.ctx.workload
         warm = self._requests(cell, wl.warmup_rounds, max_new=cell.block_size, stream=1, tag="warmup")
         timed = self._requests(cell, wl.requests, max_new=cell.max_new_tokens, stream=0, tag="r")
@@ -224,7 +223,7 @@ class ReferenceEngine(Engine):
             configuration=cc.configuration,
             options=self.options,
             target=self.target,
-            store=self.store,
+            store=offload.store,
             top_k=self.top_k,
             temperature=wl.temperature,
             drafters=self.drafters,
@@ -236,7 +235,7 @@ class ReferenceEngine(Engine):
         require_cell_device_memory(
             cell,
             cc.configuration,
-            self.store,
+            offload.store,
             capacity,
             self.target.model.config,
             self.compute_dtype,
@@ -244,7 +243,7 @@ class ReferenceEngine(Engine):
             available=self.device_available_bytes(),
         )
         prefetcher = parts.prefetcher(inputs)
-        runtime, link = self.offload.runtime(cell, cc.configuration, capacity, prefetcher)
+        runtime, link = offload.runtime(cell, cc.configuration, capacity, prefetcher)
         try:
             yield _CellSetup(
                 configured=cc,
@@ -319,11 +318,18 @@ class ReferenceEngine(Engine):
         return self._capacity(configured(cell))
 
     def _capacity(self, cc: ConfiguredCell) -> int:
-        return expert_cache_capacity(cc.cell, cc.configuration, self.store, self.options, self.ctx.memory)
+        store = self._offload().store
+        return expert_cache_capacity(cc.cell, cc.configuration, store, self.options, self.ctx.memory)
+
+    def _offload(self) -> Offload:
+        """What every cell's offload is built from (a refused load has none: its refusal is raised)."""
+        if self.offload is None:
+            raise self.load_refusal or RuntimeError("the engine loaded no expert store")
+        return self.offload
 
     def link_bytes_per_second(self, cell: Cell) -> float | None:
         """The link's rate for this cell as known before it runs (``offload/cell.py``)."""
-        return self.offload.link_bytes_per_second(cell)
+        return self._offload().link_bytes_per_second(cell)
 
     def _requests(self, cell: Cell, n: int, *, max_new: int, stream: int, tag: str) -> list[Request]:
         wl = self.ctx.workload

@@ -8,6 +8,7 @@ A configuration (``pd_dflash/baselines.py``) is a choice of one implementation p
 | ``Drafter`` (speculative decoding's proposer) | ``dflash/source.DFlashSource`` (published layout: published and preset drafters), ``decoding/speculative.EarlyExitDrafter`` |
 | ``Prefetcher`` | ``offload/prefetch.ActivationAwarePrefetcher`` (the AR prefetcher), ``offload/route_prefetch.RouteAheadPrefetcher`` |
 | ``Admission`` | ``decoding/loop.AdmitAll``, ``decoding/admission.DeficitAdmission`` (token or 2-D deficit) |
+| ``RoundHooks`` (around each forward) | ``offload/runtime.OffloadRuntime``, ``decoding/loop.RoundHooks`` (no-op) |
 | ``Link`` (host→device) | ``offload/link.HostLink`` (CPU: emulated or a plain copy), ``offload/cuda_link.CudaLink`` |
 
 Where a cell picks each one: ``cell.py``'s factories, keyed by the table's fields (decoding, prefetcher,
@@ -113,6 +114,21 @@ class Prefetcher(Protocol):
     def forget(self, rid: Any) -> None:
         """The request left: drop what is kept about it."""
         ...
+
+
+class RoundHooks(Protocol):
+    """What the step loop calls around each target forward (``offload/runtime.OffloadRuntime``; the no-op
+    ``decoding/loop.RoundHooks`` when nothing is offloaded)."""
+
+    def plan(self, blocks: list[Block]) -> bool:
+        """Predict the new blocks' experts before admission; True when a router pass ran."""
+        ...
+
+    def begin_round(self, owners: list[tuple[Any, int]]) -> None: ...
+
+    def end_round(self, *, kept_spans: list[tuple[int, int]], finished: set[Any] | None = None) -> None: ...
+
+    def forget(self, rid: Any) -> None: ...
 
 
 class Admission(Protocol):

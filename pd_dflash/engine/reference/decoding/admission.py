@@ -200,7 +200,7 @@ class DeficitAdmission:
         for b in ordered:
             rid = b.request.rid
             nbytes = 0
-            if self.fetch_keys is not None:
+            if self.fetch_keys is not None and self.is_resident is not None:
                 new = {k for k in self.fetch_keys(rid) if k not in counted and not self.is_resident(k)}
                 counted |= new
                 nbytes = len(new) * self.expert_nbytes

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from pd_dflash.engine.nvtx_ranges import nvtx_range
+from pd_dflash.engine.reference import seams
 from pd_dflash.engine.reference.decoding.target import Block, Commit, Request, TargetModel
 from pd_dflash.engine.reference.seams import Admission, Decoding
 
@@ -68,7 +69,7 @@ class RoundRecord:
 
 
 class RoundHooks:
-    """What the loop calls around each target forward (``OffloadRuntime`` implements it)."""
+    """No-op round hooks (the ``seams.RoundHooks`` that ``OffloadRuntime`` implements), for a loop without offload."""
 
     def plan(self, blocks: list[Block]) -> bool:
         """Predict the new blocks' experts before scheduling; True when a router pass ran."""
@@ -100,7 +101,7 @@ def run_requests(
     *,
     concurrency: int,
     decoding: Decoding,
-    hooks: RoundHooks,
+    hooks: seams.RoundHooks,
     admission: Admission | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> list[RoundRecord]:
@@ -137,7 +138,7 @@ class _Serving:
         requests: Sequence[Request],
         concurrency: int,
         decoding: Decoding,
-        hooks: RoundHooks,
+        hooks: seams.RoundHooks,
         admission: Admission,
         clock: Callable[[], float],
     ) -> None:

@@ -34,8 +34,8 @@ def load_published_drafter(
             "machinery only), or set models[].engine_options.drafter: early_exit",
         )
     if draft == TINY_DRAFTER:
+        from pd_dflash.engine.reference.artifacts import cache_root
         from pd_dflash.engine.reference.dflash.tiny import tiny_drafter_for
-        from pd_dflash.engine.reference.presets.training import cache_root
 
         directory = tiny_drafter_for(model.config.to_dict(), cache_root(cache_dir))
     else:

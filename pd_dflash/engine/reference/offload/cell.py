@@ -89,7 +89,10 @@ def expert_cache_capacity(
     if not configuration.offloaded:
         return total
     opts = options
-    frac = cell.ablation.get("expert_cache_fraction", memory.expert_cache_fraction)  # an ablation cell's own
+    spec_frac = (
+        memory.expert_cache_fraction
+    )  # a list is an ablation axis: each cell then carries its own value
+    frac = cell.ablation.get("expert_cache_fraction", None if isinstance(spec_frac, list) else spec_frac)
     if opts.expert_cache_bytes is not None:
         capacity, given = (
             opts.expert_cache_bytes,

@@ -190,7 +190,12 @@ class OffloadRuntime:
         """The layer's ``[tokens, k]`` routing on the host: one device→host copy into pinned memory, waited for by
         event through the link (counted, site ``routing``)."""
         host, landed = host_sync.to_host_async(top_k_index)
-        host_sync.wait("routing", lambda: landed is not None and self._block(landed))
+
+        def wait() -> None:
+            if landed is not None:
+                self._block(landed)
+
+        host_sync.wait("routing", wait)
         return host
 
     def experts(
@@ -296,6 +301,8 @@ class OffloadRuntime:
         entries = []
         for e in needed:
             entry = self.cache.acquire((layer, e))
+            if entry is None:  # a resident cache holds every expert: never short of a slot
+                raise RuntimeError(f"layer {layer}: resident expert {e} has no slot")
             if observe and e in predicted and entry.ready_at_access:
                 self._round_in_time[0] += 1
             entries.append(entry)
