@@ -351,3 +351,21 @@ def test_the_documented_room_order_is_the_tested_one():
     doc = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
     line = next(ln.strip() for ln in doc.splitlines() if ln.strip().startswith("Rooms, lowest first:"))
     assert [r.strip(" `.") for r in line.split(":", 1)[1].split("→")] == [name for name, _ in REFERENCE_ROOMS]
+
+
+def test_where_to_change_what_names_files_that_exist():
+    """docs/architecture.md's "Where to change what" reads right from ``ls``: every path it names exists (a
+    path is relative to the repository, ``pd_dflash/``, ``pd_dflash/engine/`` or ``pd_dflash/engine/reference/``;
+    ``pkg/`` (`a`, `b`) names pkg/a.py and pkg/b.py)."""
+    repo = PACKAGE.parent
+    doc = (repo / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = doc.split("## Where to change what", 1)[1].split("\n## ", 1)[0]
+    bases = (repo, PACKAGE, PACKAGE / "engine", PACKAGE / "engine" / "reference")
+    named: set[str] = set()
+    for line in table.splitlines()[2:]:
+        for package, members in re.findall(r"`([\w/]+/)` \(([^)]*)\)", line):
+            named |= {f"{package}{m}.py" for m in re.findall(r"`(\w+)`", members)}
+        named |= set(re.findall(r"`([\w/.]+\.(?:py|md))", line))
+    assert len(named) > 20
+    missing = sorted(n for n in named if not any((base / n).exists() for base in bases))
+    assert not missing, "paths in docs/architecture.md's 'Where to change what' that do not exist"

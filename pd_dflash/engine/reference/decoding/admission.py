@@ -27,6 +27,7 @@ from pd_dflash.engine.interface import Refused
 from pd_dflash.engine.reference.decoding.deficit import (
     EXPERT_BYTES,
     DeficitScheduler,
+    StepOutcome,
     TokenDeficitScheduler,
     TwoDimDeficitScheduler,
     VerifyDemand,
@@ -206,38 +207,38 @@ class DeficitAdmission:
                 nbytes = len(new) * self.expert_nbytes
             demands.append(VerifyDemand(rid, len(b.tokens), nbytes, flags[rid], b.ready_step))
         budget = {EXPERT_BYTES: self.byte_rate.budget()} if self.byte_rate is not None else None
-        admission = self.scheduler.step(demands, budget)
-        self._record(admission, demands)
-        if not admission.admitted and admission.deferred and self.byte_rate is not None:
-            first = next(d for d in demands if d.request_id == admission.deferred[0])
+        outcome = self.scheduler.step(demands, budget)
+        self._record(outcome, demands)
+        if not outcome.admitted and outcome.deferred and self.byte_rate is not None:
+            first = next(d for d in demands if d.request_id == outcome.deferred[0])
             k = self.scheduler.dimensions.index(EXPERT_BYTES)
-            self.byte_rate.idle(first.expert_bytes - (admission.available[k] - admission.used[k]))
-        return [by_rid[rid] for rid in admission.admitted]
+            self.byte_rate.idle(first.expert_bytes - (outcome.available[k] - outcome.used[k]))
+        return [by_rid[rid] for rid in outcome.admitted]
 
-    def _record(self, admission, demands: list[VerifyDemand]) -> None:
+    def _record(self, outcome: StepOutcome, demands: list[VerifyDemand]) -> None:
         self.steps += 1
-        n = len(admission.admitted)
+        n = len(outcome.admitted)
         self.admitted_histogram[n] += 1
         self.idle_steps += n == 0
-        self.seated_total += len(admission.seated)
-        if admission.deferred:
+        self.seated_total += len(outcome.seated)
+        if outcome.deferred:
             self.deferring_steps += 1
-            self.deferred_total += len(admission.deferred)
-            first = next(d for d in demands if d.request_id == admission.deferred[0])
+            self.deferred_total += len(outcome.deferred)
+            first = next(d for d in demands if d.request_id == outcome.deferred[0])
             for k, dim in enumerate(self.scheduler.dimensions):
-                if getattr(first, dim) > admission.available[k] - admission.used[k]:
+                if getattr(first, dim) > outcome.available[k] - outcome.used[k]:
                     self.binding[dim] += 1
-        self.max_used = [max(a, b) for a, b in zip(self.max_used, admission.used, strict=True)]
-        self.max_carried = [max(a, b) for a, b in zip(self.max_carried, admission.carried, strict=True)]
+        self.max_used = [max(a, b) for a, b in zip(self.max_used, outcome.used, strict=True)]
+        self.max_carried = [max(a, b) for a, b in zip(self.max_carried, outcome.carried, strict=True)]
         if len(self.trace) < TRACE_STEPS:
             self.trace.append(
                 {
-                    "admitted": len(admission.admitted),
-                    "seated": len(admission.seated),
-                    "deferred": len(admission.deferred),
-                    "available": list(admission.available),
-                    "used": list(admission.used),
-                    "carried": list(admission.carried),
+                    "admitted": len(outcome.admitted),
+                    "seated": len(outcome.seated),
+                    "deferred": len(outcome.deferred),
+                    "available": list(outcome.available),
+                    "used": list(outcome.used),
+                    "carried": list(outcome.carried),
                 }
             )
 
