@@ -4,15 +4,16 @@ it. Pure (no torch, no Ray).
 
 Every part of pd-dflash that depends on what a baseline *means* reads this table (the spec's expansion, the
 reference engine's cell setup, the MoE-Infinity adapter's refusals, the sweep's placement estimate, the report's
-ordering, gates and plots, and ``docs/reference-engine.md``'s table, which a test compares with it). A new
-configuration is one entry here; its upstream description is in ``upstream.py`` when upstream names it. The
-report's gates read the configurations' *roles* from here (``BASE``, ``CANDIDATE``, ``RESIDENT_BOUND``,
-``SPECULATIVE_BASE``, ``ORDERING_CHAIN``), so no other module names a configuration (a test greps for it).
+ordering, gates and plots, and ``docs/reference-engine.md``'s table, which ``tests/core/test_baselines.py``
+compares with it). A new configuration is one entry here; its upstream description is in ``upstream.py`` when
+upstream names it. The report's gates read the configurations' *roles* from here (``BASE``, ``CANDIDATE``,
+``RESIDENT_BOUND``, ``SPECULATIVE_BASE``, ``ORDERING_CHAIN``), so no other module names a configuration (a test
+greps for it).
 
 | field | values |
 |---|---|
 | ``decoding`` | ``autoregressive`` (one token a round) or ``speculative`` (a drafted block of B tokens, one verify) |
-| ``prefetcher`` | ``activation_aware`` (the AR prefetcher, MoE-Infinity-style) or ``route_ahead`` (the target's routers run on the drafted block before the verify) |
+| ``prefetcher`` | ``activation_aware`` (the AR prefetcher, MoE-Infinity-style), ``route_ahead`` (the target's routers run on the drafted block before the verify) or ``none`` (on-demand fetches only) |
 | ``admission`` | ``all`` (every request verifies every step), ``token_deficit`` (tokens only) or ``two_dim_deficit`` (tokens and expert bytes) |
 | ``offloaded`` | experts in host memory behind a bounded device cache (True) or all resident (False: the prefetcher only observes) |
 | ``role`` | what the gates make of it: ``base`` (speedups are over it), ``candidate`` (the design under test: coverage, waste, hide inequality, BM1), ``resident_bound`` (the upper bound, every expert resident), ``speculative_base`` (speculative with the unchanged prefetcher: what route-ahead is plotted against), or none |
@@ -27,7 +28,7 @@ from typing import Literal
 from pd_dflash.upstream import BASELINE_DESCRIPTIONS, UPSTREAM_BASELINES
 
 Decoding = Literal["autoregressive", "speculative"]
-Prefetcher = Literal["activation_aware", "route_ahead"]
+Prefetcher = Literal["activation_aware", "route_ahead", "none"]
 Admission = Literal["all", "token_deficit", "two_dim_deficit"]
 Role = Literal["base", "candidate", "resident_bound", "speculative_base"]
 

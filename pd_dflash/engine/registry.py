@@ -89,9 +89,12 @@ def _reference_model(model: ModelSpec, where: str) -> None:
 
 
 def _reference_spec(spec: SweepSpec) -> list[str]:
-    """Real checkpoints (and their drafters) visible from here; a checkpoint that is not: a note."""
+    """Every baseline's parts have a factory (``cell.py``); real checkpoints (and their drafters) visible from
+    here; a checkpoint that is not: a note."""
+    from pd_dflash.engine.reference.cell import check_configurations
     from pd_dflash.engine.reference.spec_check import check_spec
 
+    check_configurations(spec.baselines)
     return check_spec(spec)
 
 
@@ -117,7 +120,7 @@ BUILTIN: dict[str, EngineTraits] = {
         requires=("torch", "transformers"),
         check_model=_reference_model,
         check_spec=_reference_spec,
-        host_memory="pd_dflash.engine.reference.offload.host_memory:runner_host_memory_bytes",
+        host_memory="pd_dflash.engine.reference.checkpoints.host_memory:runner_host_memory_bytes",
         reads=frozenset({"memory.expert_cache_fraction", "workload.chat_date"}),
     ),
     "moe_infinity": EngineTraits(

@@ -280,9 +280,8 @@ def prediction_facts(rt: OffloadRuntime, expert_nbytes: int) -> dict[str, Any]:
     if st.wasted_prefetch_bytes is not None:
         facts["mispredicted_bytes"] = mispredicted * expert_nbytes
         facts["wasted_on_rejected_rows_bytes"] = on_rejected * expert_nbytes
-    counters = getattr(rt.prefetcher, "counters", None)
-    if counters:
-        facts["issue"] = dict(counters)
+    if rt.prefetcher is not None and rt.prefetcher.counters:
+        facts["issue"] = dict(rt.prefetcher.counters)
     return facts
 
 
