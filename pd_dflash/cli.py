@@ -46,7 +46,7 @@ def _report(args: argparse.Namespace) -> int:
             raise InputError(
                 f"cannot write outputs: {exc.strerror or exc}", where=exc.filename or args.out
             ) from None
-    print(json.dumps(verdict["groups"], indent=2, sort_keys=True))
+    print(json.dumps(verdict["groups"], indent=2, sort_keys=True, allow_nan=False))
     print(verdict["overall"]["line"])
     print(f"wrote {Path(args.out) / 'result_matrix.{json,csv,md}'} ({len(rows)} rows)", file=sys.stderr)
     return verdict["exit_code"]
@@ -56,7 +56,7 @@ def _validate(args: argparse.Namespace) -> int:
     from pd_dflash.report.validate import validate_matrix_file
 
     results = validate_matrix_file(Path(args.matrix))
-    print(json.dumps(results, indent=2, sort_keys=True))
+    print(json.dumps(results, indent=2, sort_keys=True, allow_nan=False))
     good = sum(r["valid"] for r in results.values())
     print(f"validate: {good}/{len(results)} groups valid")
     return 0 if results and good == len(results) else 1

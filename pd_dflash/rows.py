@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import secrets
 from collections.abc import Callable, Iterator
@@ -296,7 +297,7 @@ def _roll_back(fd: int, offset: int, path: Path, cause: BaseException) -> None:
 
 def encode_row(row: Row) -> bytes:
     """The stored line of a row (compact JSON, upstream field order, trailing newline)."""
-    return (json.dumps(row.to_json_dict(), separators=(",", ":")) + "\n").encode("utf-8")
+    return (json.dumps(row.to_json_dict(), separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
 
 
 def append_row(path: str | Path, row: Row) -> None:
@@ -309,8 +310,23 @@ def append_row(path: str | Path, row: Row) -> None:
 
 
 def append_json(path: str | Path, obj: dict[str, Any]) -> None:
-    """Append one JSON object as one line, all-or-nothing and durable like :func:`append_row` (events.jsonl)."""
-    _append_line(Path(path), (json.dumps(obj, separators=(",", ":")) + "\n").encode("utf-8"))
+    """Append one JSON object as one line, all-or-nothing and durable like :func:`append_row` (events.jsonl).
+    JSON has no NaN or inf: a non-finite number in an event is written as its name (``"inf"``)."""
+    try:
+        text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        text = json.dumps(_named_non_finite(obj), separators=(",", ":"), allow_nan=False)
+    _append_line(Path(path), (text + "\n").encode("utf-8"))
+
+
+def _named_non_finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)
+    if isinstance(obj, dict):
+        return {k: _named_non_finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_named_non_finite(v) for v in obj]
+    return obj
 
 
 def _append_line(path: Path, line: bytes) -> None:

@@ -100,7 +100,7 @@ class Workload(_Input):
     prompt_tokens: Annotated[int, Field(ge=1)] = 32
     #: 0 is greedy (lossless against AR, upstream's setting); > 0 uses speculative sampling.
     temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
-    seed: int = 1408
+    seed: Annotated[int, Field(ge=0, lt=2**32)] = 1408  # repeat 0's sample (sample_seed); derived seeds fit
     #: The date chat templates render (``strftime_now``): unset, ``spec_inputs.DEFAULT_CHAT_DATE`` — never the clock.
     chat_date: ChatDate | None = None
 
@@ -305,6 +305,8 @@ class Cell(_Strict):
     memory_ratio: float
     #: This cell's value of each list-valued ablation axis (``ablation.ABLATION_AXES``); empty for a single-valued spec.
     ablation: dict[str, float] = Field(default_factory=dict)
+    #: The seed of this repeat's sample of the workload (:func:`sample_seed`): prompts, their order, sampling.
+    sample_seed: int
 
     @property
     def identity(self) -> tuple:
@@ -320,6 +322,13 @@ class Cell(_Strict):
     @property
     def speculative(self) -> bool:
         return self.baseline in SPECULATIVE
+
+
+def sample_seed(seed: int, repeat: int) -> int:
+    """The seed of repeat ``repeat``'s sample (prompts, their order, sampling; shared by its configurations):
+    the spec's ``seed`` for repeat 0, else a hash of (seed, repeat) in [0, 2**31). docs/metrics.md §4.5."""
+    digest = hashlib.sha256(f"pd-dflash-sample:{seed}:{repeat}".encode()).digest()
+    return seed if repeat == 0 else int.from_bytes(digest[:4], "big") >> 1
 
 
 def _digest(obj: Any) -> str:
@@ -400,7 +409,7 @@ def iter_cells(spec: SweepSpec) -> Iterator[Cell]:
                         fields["ablation"] = ablation
                     text = '{"cell":' + _canonical(fields) + suffix
                     cell_id = hashlib.sha256(text.encode()).hexdigest()[:16]
-                    yield Cell(cell_id=cell_id, **fields)
+                    yield Cell(cell_id=cell_id, sample_seed=sample_seed(spec.workload.seed, repeat), **fields)
 
 
 def expand(spec: SweepSpec) -> list[Cell]:

@@ -142,6 +142,7 @@ class Collector:
             "outputs": _jsonable(self.final),
             "matrix_errors": list(self.matrix_errors),
             "current_statuses": {k: v.status.value for k, v in self.store.stored().items()},
+            "refused_input": sum(r.counted_refusal for r in self.store.current()),
             "storage_error": self.store.broken,
         }
         self.store.close()

@@ -1,7 +1,7 @@
 """The driver's policy: which runner serves which model and cell, what to do with each event, the summary.
 
 One loop keeps at most ``queue_depth`` calls on each runner: it fills the slots (``_fill``: model affinity,
-stealing and rebalancing from ``scheduler``), waits for the pool's next events (``pool.RunnerPool``), forwards
+stealing and rebalancing from ``placement``), waits for the pool's next events (``pool.RunnerPool``), forwards
 rows to the collector (``sink.Sink``) and hands failures to the health policy (``health.Health``). Starting Ray
 (local mode or a cluster) is ``cluster.run_sweep``'s job.
 """
@@ -66,12 +66,12 @@ class SweepDriver:
         self.opts = options
         self.cells = expand(spec)
         self.estimator = Estimator(spec)
-        self.scheduler = Placement(spec.engine, self.estimator)
+        self.placement = Placement(spec.engine, self.estimator)
         self.progress = progress or Progress(len(self.cells), tty=options.progress)
         self.boxes: list[Box] = []
         self.pool = RunnerPool(spec)
         self.sink = Sink(spec, self.estimator, self._event)
-        self.health = Health(spec, options, self.boxes, self.pool, self.scheduler, self.sink, self._event)
+        self.health = Health(spec, options, self.boxes, self.pool, self.placement, self.sink, self._event)
         self.todo = 0
         #: The engine's traits as preflight found them on a box (the driver never imports the engine).
         self.traits: EngineTraits | None = None
@@ -96,7 +96,7 @@ class SweepDriver:
             self.opts.out_dir, self.spec, self.opts.mode, timeout_s=self.opts.preflight_timeout_s
         )
         self.traits = preflight.check_engine(self.spec, self.boxes, timeout_s=self.opts.preflight_timeout_s)
-        self.scheduler.traits = self.traits
+        self.placement.traits = self.traits
         fits = ", ".join(f"{b.label}: {b.capacity}" for b in self.boxes if b.capacity)
         self._event(
             f"preflight ok: {sum(b.capacity for b in self.boxes)} runners fit "
@@ -115,11 +115,17 @@ class SweepDriver:
             if reason:
                 blocked += 1
                 row = Row.without_metrics(
-                    cell, Status.REFUSED, reason, attempt=attempt, sweep=self.spec.name, finished_at=utc_now()
+                    cell,
+                    Status.REFUSED,
+                    reason,
+                    refusal="documented",  # the engine's declared scope (registry), not counted
+                    attempt=attempt,
+                    sweep=self.spec.name,
+                    finished_at=utc_now(),
                 )
                 self.sink.store(row, None)
             else:
-                self.scheduler.add(Task(cell=cell, attempt=attempt))
+                self.placement.add(Task(cell=cell, attempt=attempt))
         self.todo = len(todo)
         keys = sorted({load_key(self.spec.engine, c, self.traits) for c, _ in todo})
         self._event(
@@ -141,13 +147,13 @@ class SweepDriver:
 
     def _fill_slot(self, slot: Slot) -> None:
         if slot.state is SlotState.EMPTY:
-            key = self.scheduler.choose_key(self.pool.holders(slot))
+            key = self.placement.choose_key(self.pool.holders(slot))
             if key is not None:
                 self._start(slot, key)
             return
         holders = self.pool.holders(slot)
         if slot.state is SlotState.IDLE:
-            key = self.scheduler.choose_key(holders, slot.key, rebalance=not slot.rebalanced)
+            key = self.placement.choose_key(holders, slot.key, rebalance=not slot.rebalanced)
             if key is None:
                 return
             if key != slot.key:
@@ -157,19 +163,19 @@ class SweepDriver:
             return
         if slot.calls and not self._may_queue_behind(slot, holders):
             return
-        task = self.scheduler.take(slot.key)
+        task = self.placement.take(slot.key)
         if task is not None:
             self.pool.submit(slot, task)
 
     def _may_queue_behind(self, slot: Slot, holders: dict) -> bool:
         """Queue a cell behind the running one only while the key has plenty left (at the tail an idle runner
         must be able to take it instead) and the runner is not about to move to another key."""
-        if self.scheduler.pending_count(slot.key) < 2 * (holders.get(slot.key, 0) + 1):
+        if self.placement.pending_count(slot.key) < 2 * (holders.get(slot.key, 0) + 1):
             return False
-        return slot.rebalanced or not self.scheduler.rebalance_target(holders, slot.key)
+        return slot.rebalanced or not self.placement.rebalance_target(holders, slot.key)
 
     def _switch(self, slot: Slot, key: Any) -> None:
-        own_left = self.scheduler.pending_count(slot.key)
+        own_left = self.placement.pending_count(slot.key)
         if own_left:
             slot.rebalanced = True
         why = f"rebalancing ({own_left} cells of it left)" if own_left else "its model is done"
@@ -229,7 +235,7 @@ class SweepDriver:
             self.health.refresh()
             self._fill()
             if not self.pool.in_flight():
-                if not self.scheduler.has_pending() or not any(s.usable for s in self.pool.slots):
+                if not self.placement.has_pending() or not any(s.usable for s in self.pool.slots):
                     return
                 # Every usable runner is idle by choice and nothing runs: cannot happen unless all holders
                 # vanished at once; the next pass (after a refresh) reassigns. Avoid a busy spin.
@@ -251,7 +257,7 @@ class SweepDriver:
             return None
         active = sum(1 for s in self.pool.slots if s.holds_model and s.usable) or 1
         running = sum(self.estimator.estimate(c.task.cell) for s in self.pool.slots for c in s.calls)
-        return (self.scheduler.total_pending_work() + running / 2) / active
+        return (self.placement.total_pending_work() + running / 2) / active
 
     def _show(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -405,5 +411,11 @@ class SweepDriver:
             return 128 + stop.signum
         if unrun:
             self._event(f"{unrun} cells not run: no box left in rotation (rerun to resume them)")
+        refused = summary.get("refused_input", 0)  # of the user's own making (schema.RefusalKind)
+        if refused:
+            self._event(
+                f"{refused} cells REFUSED for what the spec or its inputs ask (each row's reason says what; "
+                "documented refusals are not counted): fix it and rerun with --restart"
+            )
         complete = counts["stored"] == counts["total"]
-        return 0 if complete and not failed_now and not summary["matrix_errors"] else 1
+        return 0 if complete and not failed_now and not refused and not summary["matrix_errors"] else 1

@@ -68,8 +68,8 @@ def current_rows_of(out_dir: str | Path) -> list[Row]:
 
 
 def row_mismatch(row: Row, cell: Cell) -> str | None:
-    """Why ``row`` cannot be the row of ``cell`` (its cell id), or None: the identity, the drafter and the block
-    sizes it covers are what the cell id measures. The collector refuses such a row; resume sets it aside."""
+    """Why ``row`` cannot be the row of ``cell`` (its cell id), or None: the identity, the drafter, the block
+    sizes it covers and the repeat's sample seed are what the cell id measures. The collector refuses such a row; resume sets it aside."""
     if row.identity != cell.identity:
         return f"row identity {row.identity} does not match cell {cell.cell_id} {cell.identity}"
     if row.draft != cell.draft:
@@ -80,6 +80,10 @@ def row_mismatch(row: Row, cell: Cell) -> str | None:
             f"row block_sizes_covered {list(covered)} does not match cell {cell.cell_id} "
             f"{list(cell.block_sizes_covered)}"
         )
+    # Rows from before independent repeats carry no seed: they drew every repeat from repeat 0's sample.
+    seed = row.sample_seed if row.sample_seed is not None or cell.repeat else cell.sample_seed
+    if seed != cell.sample_seed:
+        return f"row sample_seed {seed} does not match cell {cell.cell_id} sample_seed {cell.sample_seed}"
     return None
 
 

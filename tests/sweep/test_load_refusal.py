@@ -78,6 +78,8 @@ def test_a_load_that_fails_on_bad_input_refuses_its_cells_at_once(tmp_path, monk
     refused = [e for e in events if e["event"] == "model_refused"]
     assert {e["model"] for e in refused} == {"m1", "m2"} and sum(e["cells"] for e in refused) == 12
     assert outcome.loads <= 4  # one try per bad model (two runners), not max_attempts
+    assert outcome.exit_code == 1  # m1's refused load is the user's to fix (issue 29): the run says so
+    assert all(rows[c.cell_id].refusal == "input" for c in expand(spec) if c.model == "m1")
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd_dflash.engine.reference.metrics import experts_moved_per_token
 from pd_dflash.engine.reference.offload.cache import ExpertCache
 from pd_dflash.engine.reference.offload.eviction import (
     COMPUTED,
@@ -20,6 +19,7 @@ from pd_dflash.engine.reference.offload.eviction import (
 from pd_dflash.engine.reference.offload.link import HostLink
 from pd_dflash.engine.reference.offload.replay import clairvoyant_in_time, replay
 from pd_dflash.engine.reference.offload.runtime import OffloadRuntime
+from pd_dflash.engine.reference.trace import experts_moved_per_token
 from tests.engine.reference.helpers import SimClock, store
 
 CPU = torch.device("cpu")
@@ -136,13 +136,20 @@ def test_experts_moved_per_token_counts_every_transfer():
 
 
 class HandPrefetcher:
-    """A prefetcher with a fixed prediction (the decode loop's hook protocol, nothing else)."""
+    """A prefetcher with a fixed prediction (``seams.Prefetcher``: every call, each a no-op but the prefetch)."""
 
     name = "hand"
     issue = True
 
     def __init__(self, predicted: dict[int, frozenset[int]], fetch: list[tuple[int, int]]) -> None:
         self.predicted, self.fetch = predicted, fetch
+        self.counters: dict[str, int] = {}
+
+    def describe(self) -> dict:
+        return {"prefetcher": self.name}
+
+    def route(self, blocks, cache) -> bool:
+        return False
 
     def begin_round(self, cache, owners) -> None:
         for key in self.fetch:
@@ -150,6 +157,18 @@ class HandPrefetcher:
 
     def after_layer(self, cache, layer, routed) -> None:
         pass
+
+    def layer_done(self, cache, layer) -> None:
+        pass
+
+    def end_round(self, cache, kept_spans, finished) -> None:
+        pass
+
+    def keys(self, rid) -> set:
+        return set()
+
+    def in_flight(self, rid) -> bool:
+        return False
 
     def forget(self, rid) -> None:
         pass
