@@ -35,11 +35,18 @@ dequantisation function (``checkpoints.mxfp4.dequantize``) inside the timed loop
 target is 0).
 
 BM2 (upstream's ``bench_prefetch_issuance.py``, for this engine): the time to issue a prefetch of every expert
-of every MoE layer (a saturated round: B·k ≥ E) through the engine's ``ExpertCache.prefetch`` on a fresh cache
-that can hold them all, with the engine's link (emulated on CPU, ``CudaLink`` on CUDA); nearest-rank
+of every MoE layer (a saturated round: B·k ≥ E) on a fresh cache that can hold them all, with the engine's link
+(emulated on CPU, ``CudaLink`` on CUDA), in two modes interleaved: ``python-per-expert`` (``ExpertCache.prefetch``
+per expert) and ``batched`` (one ``ExpertCache.prefetch_many``: one link batch per layer); nearest-rank
 p50/p90/p99 in µs against the window t_draft + t_router of the OURS c = 1 row; ``candidate_required`` = the
-issuance median > window (upstream's decision; its ``ship_batched`` needs a batched issue path this engine does
-not have, so it is absent).
+per-expert median > window and ``ship_batched`` = candidate_required and the batched median ≤ window
+(upstream's rules).
+
+BM3 (upstream's ``bench_prefetch_priority.py``): OURS with route-ahead's predictions in the link's band 0
+(on-demand), 1 (route-ahead) or 2 (background, where route-ahead's end-of-verify history always goes), on a busy
+link (CPU: emulated at ``--bm3-link-gbps``), a fresh cell per run (identical seeded requests, fresh cache);
+median exposed fetch and tokens/s per arm and ``ship_priority_band`` (route-ahead exposed < background exposed,
+route-ahead tok/s ≥ background tok/s, on-demand exposed ≤ both).
 
     .venv/bin/python benchmarks/engine_overhead.py --json engine_overhead.json        # both geometries, CPU
     .venv/bin/python benchmarks/engine_overhead.py --device cuda --layers 12 --json out.json
