@@ -35,7 +35,9 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     if tuple(scales.shape) != (*prefix, rows, groups):
         raise ValueError(f"MXFP4 scales {tuple(scales.shape)} do not match blocks {tuple(blocks.shape)}")
     flat = blocks.reshape(-1, nbytes)
-    out = _lut(dtype, blocks.device)[flat.to(torch.int)].view(flat.shape[0], nbytes * 2)  # [.., byte, (lo, hi)]
+    out = _lut(dtype, blocks.device)[flat.to(torch.int)].view(
+        flat.shape[0], nbytes * 2
+    )  # [.., byte, (lo, hi)]
     torch.ldexp(out, scales.reshape(-1, 1).to(torch.int32) - 127, out=out)
     return out.view(*prefix, rows, groups * nbytes * 2).transpose(-1, -2).contiguous()
 
