@@ -196,11 +196,18 @@ def confidence_verdict(matrix: Matrix, details: dict[str, dict[str, Any]], gates
     """Adds ``confidence`` (gate → PASS/FAIL/INCONCLUSIVE) to every group's detail; returns the overall verdict:
     NO-GO if any gate fails somewhere; GO if every group is complete and valid and every enabled gate passes
     everywhere; INCONCLUSIVE otherwise. ``line`` gives the count of each."""
-    counts = {PASS: 0, FAIL: 0, INCONCLUSIVE: 0}
-    first_fail = None
     for key, detail in details.items():
         group = matrix.groups.get(key) or Group(*_split(key))
         detail["confidence"] = group_confidence(matrix, group, gates, detail)
+    return tally(details)
+
+
+def tally(details: dict[str, dict[str, Any]], on: str = "95% intervals") -> dict[str, Any]:
+    """The overall confidence-aware verdict from every group's ``confidence`` (``on`` names the intervals in the
+    line: an adaptive run's are its looks', report/adaptive.py)."""
+    counts = {PASS: 0, FAIL: 0, INCONCLUSIVE: 0}
+    first_fail = None
+    for key, detail in details.items():
         for name, g in detail["confidence"].items():
             if g["status"] in counts:
                 counts[g["status"]] += 1
@@ -220,7 +227,7 @@ def confidence_verdict(matrix: Matrix, details: dict[str, dict[str, Any]], gates
         "verdict": verdict,
         "counts": counts,
         "first_fail": first_fail,
-        "line": f"{verdict} on 95% intervals ({text})",
+        "line": f"{verdict} on {on} ({text})",
     }
 
 

@@ -20,7 +20,7 @@ from pd_dflash.engine import registry
 from pd_dflash.engine.registry import EngineTraits
 from pd_dflash.rows import ROWS_FILE
 from pd_dflash.schema import FAILED_STATUSES, Row, Status
-from pd_dflash.spec import SweepSpec, expand
+from pd_dflash.spec import Cell, SweepSpec, expand
 from pd_dflash.sweep import preflight
 from pd_dflash.sweep.health import Health
 from pd_dflash.sweep.options import ClusterLost, Outcome, RunOptions, SweepInterrupted
@@ -42,6 +42,7 @@ from pd_dflash.sweep.progress import Progress, format_duration
 from pd_dflash.sweep.resume import Mode, StoredCell, cells_to_run
 from pd_dflash.sweep.sink import Sink, cause_line
 from pd_dflash.sweep.store import utc_now
+from pd_dflash.sweep.waves import Waves
 
 #: The progress line is refreshed at most this often (no terminal redraws faster; the ETA costs estimates).
 SHOW_EVERY_S = 0.2
@@ -64,6 +65,12 @@ class SweepDriver:
         self.sink = Sink(spec, self.estimator, self._event)
         self.health = Health(spec, options, self.boxes, self.pool, self.scheduler, self.sink, self._event)
         self.todo = 0
+        #: Cells stored before this run that it does not measure again (the progress line counts them done).
+        self.done_before = 0
+        #: Adaptive repeats: which repeats each group still needs (None for a fixed repeat count).
+        self.waves = Waves(spec, self.cells) if spec.adaptive else None
+        self._landed: list[Row] = []
+        self._stored: dict[str, StoredCell] = {}
         #: The engine's traits as preflight found them on a box (the driver never imports the engine).
         self.traits: EngineTraits | None = None
         self._shown_at = 0.0
@@ -94,23 +101,21 @@ class SweepDriver:
         )
 
     def _plan(self, stored: dict[str, StoredCell]) -> None:
-        todo = cells_to_run(self.cells, stored, self.opts.mode)
+        self._stored = stored
+        cells = self.cells
+        if self.waves is not None:  # the repeats every group needs now (looks replayed from the stored rows)
+            rows = self.sink.current_rows(self.opts.preflight_timeout_s)
+            cells = self.waves.start(rows, retry_errors=self.opts.mode == Mode.RETRY_ERRORS)
+            self.sink.on_store = self._landed.append
+        todo = cells_to_run(cells, stored, self.opts.mode)
         retried = sum(1 for c, _ in todo if c.cell_id in stored)
         skipped_failed = sum(
             1 for s in stored.values() if not s.final and self.opts.mode != Mode.RETRY_ERRORS
         )
-        blocked = 0
-        for cell, attempt in todo:
-            reason = registry.blocked_reason_for(self.traits, self.spec.engine, cell)
-            if reason:
-                blocked += 1
-                row = Row.without_metrics(
-                    cell, Status.REFUSED, reason, attempt=attempt, sweep=self.spec.name, finished_at=utc_now()
-                )
-                self.sink.store(row, None)
-            else:
-                self.scheduler.add(Task(cell=cell, attempt=attempt))
+        blocked = sum(self._queue(cell, attempt) for cell, attempt in todo)
         self.todo = len(todo)
+        self.done_before = len(stored) - retried if self.waves else len(self.cells) - len(todo)
+        self._next_waves()
         keys = sorted({load_key(self.spec.engine, c, self.traits) for c, _ in todo})
         self._event(
             f"sweep {self.spec.name} (fingerprint {self.spec.fingerprint()}): {len(self.cells)} cells, "
@@ -121,6 +126,30 @@ class SweepDriver:
             self._event(
                 f"{skipped_failed} stored cells are ERROR/TIMEOUT; rerun with --retry-errors to retry them"
             )
+
+    def _queue(self, cell: Cell, attempt: int) -> bool:
+        """Queue a cell for a runner, or store its REFUSED row when the engine will not run it (True)."""
+        reason = registry.blocked_reason_for(self.traits, self.spec.engine, cell)
+        if not reason:
+            self.scheduler.add(Task(cell=cell, attempt=attempt))
+            return False
+        row = Row.without_metrics(
+            cell, Status.REFUSED, reason, attempt=attempt, sweep=self.spec.name, finished_at=utc_now()
+        )
+        self.sink.store(row, None)
+        return True
+
+    def _next_waves(self) -> None:
+        """Adaptive repeats: hand each stored row to the waves and queue the repeats it asks for."""
+        if self.waves is None:
+            return
+        while self._landed:
+            for cell, attempt in cells_to_run(
+                self.waves.landed(self._landed.pop(0)), self._stored, self.opts.mode
+            ):
+                self.todo += 1
+                self._queue(cell, attempt)
+        self.scheduler.awaiting = self.waves.awaiting(lambda c: load_key(self.spec.engine, c, self.traits))
 
     # -- which runner does what -----------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -216,6 +245,7 @@ class SweepDriver:
             if lost:
                 raise ClusterLost(lost)
             self.health.refresh()
+            self._next_waves()
             self._fill()
             if not self.pool.in_flight():
                 if not self.scheduler.has_pending() or not any(s.usable for s in self.pool.slots):
@@ -228,6 +258,7 @@ class SweepDriver:
             noticed = time.perf_counter()
             for ev in self.pool.events(ready):
                 self._handle(ev)
+            self._next_waves()
             if ready:
                 self._fill()  # a runner may be waiting for its next cell: dispatch before the bookkeeping
                 self.sink.figures.react_s.append(time.perf_counter() - noticed)
@@ -248,8 +279,10 @@ class SweepDriver:
             return
         self._shown_at = now
         running = Counter(s.box.label for s in self.pool.slots if s.calls)
+        if self.waves is not None:  # the cells asked for so far (a wave adds to them)
+            self.progress.total = self.done_before + self.todo
         self.progress.update(
-            done=len(self.cells) - self.todo + self.sink.finished,
+            done=self.done_before + self.sink.finished,
             failed=self.sink.failed,
             running=dict(running),
             eta_s=self._eta(),
@@ -366,6 +399,8 @@ class SweepDriver:
             f"{format_duration(wall)}; {self.pool.loads} model loads; rows in {out}/{ROWS_FILE}"
             + (f"; matrix in {out}/result_matrix.md" if summary["outputs"] else "")
         )
+        if self.waves is not None:
+            self._event(self.waves.describe())
         if summary["outputs"]:
             self._event(summary["outputs"]["overall"]["line"])
         if failed_now:
@@ -376,4 +411,6 @@ class SweepDriver:
         if unrun:
             self._event(f"{unrun} cells not run: no box left in rotation (rerun to resume them)")
         complete = counts["stored"] == counts["total"]
+        if self.waves is not None:  # done when every group stopped and each cell asked for has a row
+            complete = not self.waves.open_groups() and not unrun
         return 0 if complete and not failed_now and not summary["matrix_errors"] else 1
