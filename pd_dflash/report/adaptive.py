@@ -18,7 +18,7 @@ from pd_dflash.baselines import ORDER
 from pd_dflash.report.aggregate import Group, build_matrix, group_key
 from pd_dflash.report.brief import RowBrief
 from pd_dflash.report.confidence import INCONCLUSIVE, group_confidence, tally
-from pd_dflash.report.gates import Expectations, evaluate_group
+from pd_dflash.report.gates import VERDICT_GATES, Expectations, evaluate_group
 from pd_dflash.schema import FINAL_STATUSES, Row
 from pd_dflash.spec import Cell, Gates, SweepSpec, cell_count, expand
 from pd_dflash.stopping import ALPHA, RULE, STOP_REASONS, look_coverage, planned_looks, stop_reason
@@ -136,7 +136,7 @@ def _pending(look: Look | None, repeats: int) -> dict[str, dict[str, str]]:
     if look is not None:
         return look.gates
     why = f"no look yet: the group's first {repeats} repeats have not all landed"
-    return {"pending": {"status": INCONCLUSIVE, "summary": why}}
+    return {name: {"status": INCONCLUSIVE, "summary": why} for name in VERDICT_GATES}
 
 
 def adaptive_verdict(
