@@ -57,12 +57,15 @@ def plan_summary(
         "fingerprint": spec.fingerprint(),
     }
     if spec.adaptive:  # every repeat a group may run is expanded; the waves run between the two counts
+        from pd_dflash.report.adaptive import decidable_effects  # pandas only for an adaptive spec
+
         counts["adaptive_repeats"] = {
             "min": spec.min_repeats,
             "max": spec.max_repeats,
             "until": spec.adaptive.until,
             "cells_at_min": cell_count(spec, spec.min_repeats),
             "cells_at_max": cell_count(spec, spec.max_repeats),
+            "decidable_effect_sd": decidable_effects(spec.adaptive),
         }
     return {"counts": counts, "blocked": blocked}
 
@@ -141,6 +144,11 @@ def render_plan(spec: SweepSpec, planned: dict[str, Any], notes: Iterable[str] =
             f"adaptive repeats: min {adaptive['min']}, max {adaptive['max']}, until {adaptive['until']}: "
             f"{adaptive['cells_at_min']} cells at min, {adaptive['cells_at_max']} at max (the counts here are at "
             "max; a group stops adding repeats once its verdict gates are decided)"
+        )
+        effects = ", ".join(f"{k}: {h:.3g}" for k, h in adaptive["decidable_effect_sd"].items())
+        lines.append(
+            f"  a look after k repeats decides a gate whose mean sits at least this many repeat standard "
+            f"deviations from its threshold (Bonferroni over the looks): {effects}"
         )
     lines.extend(f"note: {n}" for n in notes)
     lines.append(

@@ -10,18 +10,27 @@ rows and reach the same decisions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pd_dflash.baselines import ORDER
-from pd_dflash.report.aggregate import Group, build_matrix, group_key
+from pd_dflash.report.aggregate import Group, build_matrix, group_key, t_quantile
 from pd_dflash.report.brief import RowBrief
 from pd_dflash.report.confidence import INCONCLUSIVE, group_confidence, tally
 from pd_dflash.report.gates import VERDICT_GATES, Expectations, evaluate_group
 from pd_dflash.schema import FINAL_STATUSES, Row
 from pd_dflash.spec import Cell, Gates, SweepSpec, cell_count, expand
-from pd_dflash.stopping import ALPHA, RULE, STOP_REASONS, look_coverage, planned_looks, stop_reason
+from pd_dflash.stopping import (
+    ALPHA,
+    RULE,
+    STOP_REASONS,
+    AdaptiveRepeats,
+    look_coverage,
+    planned_looks,
+    stop_reason,
+)
 
 GroupId = tuple[str, int, int]
 AnyRow = Row | RowBrief
@@ -89,47 +98,63 @@ class Design:
         """The cells of the group's first ``repeats`` repeats."""
         return [c for per in self.members[gid][:repeats] for c in per]
 
-    def judge(self, gid: GroupId, repeats: int, rows: Mapping[tuple, AnyRow], gates: Gates) -> Look | None:
-        """The look at ``repeats`` repeats, or None while one of the cells it needs has no row."""
-        picked = []
-        for cell in self.cells_of(gid, repeats):
-            row = rows.get(cell.identity)
-            if row is None:
-                return None
-            picked.append(row)
-        matrix = build_matrix(picked, coverage=self.coverage)
-        key = group_key(*gid)
-        group = matrix.groups.get(key) or Group(*gid)
-        expect = Expectations((gid,), self.baselines, tuple(range(repeats)))
-        detail = evaluate_group(matrix, group, gates, expect)
-        judged = group_confidence(matrix, group, gates, detail)
-        complete = detail["complete"] and detail["valid"]
-        why = "" if complete else detail["gates"]["completeness"]["summary"]
-        return Look(repeats, judged, complete, why)
+    def landed(self, gid: GroupId, repeats: int, rows: Mapping[tuple, AnyRow]) -> bool:
+        """Whether every cell of the group's first ``repeats`` repeats has a row (a look can be taken)."""
+        return all(c.identity in rows for c in self.cells_of(gid, repeats))
+
+    def judge(
+        self, gids: Sequence[GroupId], repeats: int, rows: Mapping[tuple, AnyRow], gates: Gates
+    ) -> dict[GroupId, Look]:
+        """The looks at ``repeats`` repeats of groups whose cells all have rows, from one matrix of their rows
+        (a group's intervals are those of its own rows: the matrix keeps groups apart)."""
+        picked = {c.identity: rows[c.identity] for gid in gids for c in self.cells_of(gid, repeats)}
+        matrix = build_matrix(list(picked.values()), coverage=self.coverage)
+        looks = {}
+        for gid in gids:
+            group = matrix.groups.get(group_key(*gid)) or Group(*gid)
+            expect = Expectations((gid,), self.baselines, tuple(range(repeats)))
+            detail = evaluate_group(matrix, group, gates, expect)
+            judged = group_confidence(matrix, group, gates, detail)
+            complete = detail["complete"] and detail["valid"]
+            why = "" if complete else detail["gates"]["completeness"]["summary"]
+            looks[gid] = Look(repeats, judged, complete, why)
+        return looks
+
+    def take(self, run: GroupRun, look: Look) -> None:
+        """Record a look; the group stops, or asks for one more repeat."""
+        run.looks.append(look)
+        statuses = [g["status"] for g in look.gates.values()]
+        run.stop = stop_reason(statuses, run.repeats, self.bounds, failed=not look.complete)
+        if run.stop is None:
+            run.repeats += 1
 
     def advance(self, gid: GroupId, run: GroupRun, rows: Mapping[tuple, AnyRow], gates: Gates) -> bool:
         """Take every look the rows allow; True when the group then asks for more repeats than before."""
         asked = run.repeats
-        while run.stop is None:
-            look = self.judge(gid, run.repeats, rows, gates)
-            if look is None:
-                break
-            run.looks.append(look)
-            statuses = [g["status"] for g in look.gates.values()]
-            run.stop = stop_reason(statuses, run.repeats, self.bounds, failed=not look.complete)
-            if run.stop is None:
-                run.repeats += 1
+        while run.stop is None and self.landed(gid, run.repeats, rows):
+            self.take(run, self.judge([gid], run.repeats, rows, gates)[gid])
         return run.repeats > asked
 
 
 def replay(design: Design, rows: Iterable[AnyRow], gates: Gates) -> dict[GroupId, GroupRun]:
-    """Every group's looks from the rows, as the driver took them."""
+    """Every group's looks from the rows, as the driver took them: one matrix per look count, not per look."""
     held = current(rows)
-    runs = {}
-    for gid in design.members:
-        runs[gid] = GroupRun(design.bounds.min)
-        design.advance(gid, runs[gid], held, gates)
+    runs = {gid: GroupRun(design.bounds.min) for gid in design.members}
+    for k in range(design.bounds.min, design.bounds.max + 1):
+        ready = [
+            g for g, r in runs.items() if r.stop is None and r.repeats == k and design.landed(g, k, held)
+        ]
+        if ready:
+            for gid, look in design.judge(ready, k, held, gates).items():
+                design.take(runs[gid], look)
     return runs
+
+
+def decidable_effects(bounds: AdaptiveRepeats) -> dict[int, float]:
+    """Repeats → how far (in one repeat's standard deviations) a mean must sit from a gate's threshold for that
+    look's interval to clear it: t(k − 1, coverage)/√k. What one more repeat buys, for choosing the bounds."""
+    coverage = look_coverage(bounds)
+    return {k: t_quantile(k - 1, coverage) / math.sqrt(k) for k in range(bounds.min, bounds.max + 1)}
 
 
 def _pending(look: Look | None, repeats: int) -> dict[str, dict[str, str]]:

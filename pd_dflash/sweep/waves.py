@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from pd_dflash.report.adaptive import Design, GroupRun
+from pd_dflash.report.adaptive import Design, GroupRun, replay
 from pd_dflash.schema import FINAL_STATUSES, Row
 from pd_dflash.spec import Cell, SweepSpec
 from pd_dflash.stopping import STOP_REASONS
@@ -54,11 +54,8 @@ class Waves:
         for row in stored:
             if row.identity in self.design.groups_of and (not retry_errors or row.status in FINAL_STATUSES):
                 self._keep(row)
-        out: list[Cell] = []
-        for gid, run in self.runs.items():
-            self.design.advance(gid, run, self.rows, self.gates)
-            out.extend(self._request(gid, run.repeats))
-        return out
+        self.runs = replay(self.design, self.rows.values(), self.gates)
+        return [c for gid, run in self.runs.items() for c in self._request(gid, run.repeats)]
 
     def landed(self, row: Row) -> list[Cell]:
         """A row was stored: take the looks it completes; the cells of the repeats that asks for."""

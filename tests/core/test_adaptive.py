@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -75,10 +76,21 @@ def test_plan_shows_the_bounds_and_the_cells_at_min_and_at_max():
     s = adaptive_spec()
     planned = plan(s)
     a = planned["counts"]["adaptive_repeats"]
-    assert a == {"min": 2, "max": 4, "until": "decided", "cells_at_min": 28, "cells_at_max": 56}
+    effects = a["decidable_effect_sd"]
+    assert {k: v for k, v in a.items() if k != "decidable_effect_sd"} == {
+        "min": 2,
+        "max": 4,
+        "until": "decided",
+        "cells_at_min": 28,
+        "cells_at_max": 56,
+    }
+    # t(k - 1, 1 - 0.05/3) / sqrt(k): t(1, 0.98333) = tan(pi/2 * 0.98333) = 38.19 (df = 1 is Cauchy)
+    assert effects[2] == pytest.approx(math.tan(math.pi / 2 * (1 - 0.05 / 3)) / math.sqrt(2), rel=1e-9)
+    assert effects[2] > effects[3] > effects[4]
     text = render_plan(s, planned)
     assert "x 2-4 repeats (adaptive)" in text
     assert "adaptive repeats: min 2, max 4, until decided: 28 cells at min, 56 at max" in text
+    assert "from its threshold (Bonferroni over the looks): 2: 27, 3: 4.42, 4: 2.43" in text
     assert "adaptive_repeats" not in plan(parse_spec(base_spec()))["counts"]
 
 
