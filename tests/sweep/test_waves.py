@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
+from pd_dflash.errors import InputError
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import cell_count, expand, parse_spec
 from pd_dflash.stopping import CELL_FAILURES, DECIDED
+from pd_dflash.sweep.resume import Mode, check_resumable
+from pd_dflash.sweep.store import SweepStore
 from pd_dflash.sweep.waves import Waves
 from tests.core.helpers import base_spec, result
 
@@ -83,3 +88,17 @@ def test_a_failed_cell_stops_its_group_unless_errors_are_retried():
     assert run.stop == CELL_FAILURES
     retried = Waves(s, cells)
     assert [c.cell_id for c in retried.start(rows, retry_errors=True)] == [cells[0].cell_id]
+
+
+def test_changed_bounds_are_a_changed_spec_refused_without_restart(tmp_path):
+    s = spec_of()
+    store = SweepStore(tmp_path, s, Mode.RESUME)
+    store.open()
+    store.add(row_of(expand(s)[0]))
+    store.close()
+    for bounds in ({"min": 3, "max": 6}, {"min": 2, "max": 5}, 5):
+        changed = spec_of(repeats=bounds)
+        with pytest.raises(InputError, match=r"fingerprint is \w+ \(the measurement changed\)"):
+            check_resumable(tmp_path, changed, Mode.RESUME)
+        check_resumable(tmp_path, changed, Mode.RESTART)
+    check_resumable(tmp_path, spec_of(), Mode.RESUME)
