@@ -55,8 +55,6 @@ def _evaluate(
     summary["line_on_means"] = summary["line"]
     summary["line"] = verdict_line(summary, confidence, basis)
     ok = bool(details) and all(d["complete"] and d["valid"] for d in details.values())
-    if adaptive is not None:
-        ok = ok and not adaptive["groups_open"]
     verdict = {
         "groups": details,
         "overall": summary,

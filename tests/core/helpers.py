@@ -226,14 +226,14 @@ def synth_result(cell, rng: random.Random, **over) -> EngineResult:
 
 
 def synth_rows(baselines=None, repeats=None, seed: int = 1408, tweak=None) -> list[Row]:
-    """A row per cell of jobs/phase_a.yaml (optionally only these baselines / repeats), seeded; ``tweak(cell)``
-    gives the fields that cell's result replaces."""
+    """A row per cell of jobs/phase_a.yaml (optionally only these baselines / repeats; by default its first
+    ``min`` = 3 repeats, of an adaptive 3-6), seeded; ``tweak(cell)`` gives the fields that cell's result replaces."""
     rng = random.Random(seed)
     rows = []
-    for cell in expand(load_spec(PHASE_A)):
-        if (baselines and cell.baseline not in baselines) or (
-            repeats is not None and cell.repeat not in repeats
-        ):
+    spec = load_spec(PHASE_A)
+    repeats = range(spec.min_repeats) if repeats is None else repeats
+    for cell in expand(spec):
+        if (baselines and cell.baseline not in baselines) or cell.repeat not in repeats:
             continue
         over = tweak(cell) if tweak else {}
         rows.append(Row.from_result(cell, synth_result(cell, rng, **over)))
