@@ -8,6 +8,7 @@ from pd_dflash.errors import InputError
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import cell_count, expand, parse_spec
 from pd_dflash.stopping import CELL_FAILURES, DECIDED
+from pd_dflash.sweep.placement import Estimator, Placement, Task, load_key
 from pd_dflash.sweep.resume import Mode, check_resumable
 from pd_dflash.sweep.store import SweepStore
 from pd_dflash.sweep.waves import Waves
@@ -102,3 +103,19 @@ def test_changed_bounds_are_a_changed_spec_refused_without_restart(tmp_path):
             check_resumable(tmp_path, changed, Mode.RESUME)
         check_resumable(tmp_path, changed, Mode.RESTART)
     check_resumable(tmp_path, spec_of(), Mode.RESUME)
+
+
+def test_a_runner_keeps_a_model_an_open_group_may_still_ask_a_repeat_of():
+    models = [{"id": m, "preset": "micro", "draft": "micro-dflash"} for m in ("m1", "m2")]
+    s = spec_of(models=models, block_sizes=[8], concurrency=[4])
+    waves = Waves(s, expand(s))
+    sched = Placement(s.engine, Estimator(s))
+    for cell in waves.start([], retry_errors=False):
+        sched.add(Task(cell=cell, attempt=1))
+    held = next(k for k in sched.pending if k[0] == "m1")
+    while sched.pending_count(held):  # m1's first repeats all taken, none landed yet
+        sched.take(held)
+    sched.awaiting = waves.awaiting(lambda c: load_key(s.engine, c))
+    assert held in sched.awaiting and sched.choose_key({}, held) == held  # its groups may still ask more
+    sched.awaiting = set()
+    assert sched.choose_key({}, held)[0] == "m2"  # nothing more can come: it moves on
