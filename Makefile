@@ -26,15 +26,18 @@ $(STAMP): pyproject.toml scripts/install_torch.sh | $(BIN)/python
 run: $(STAMP)
 	$(BIN)/pd-dflash run $(RUN_SPEC) --out $(RUN_OUT) --resume
 
-# README command 2: lint, format check and the whole test suite (CI runs exactly this through .ci/run).
+# README command 2: lint, format check, the type check (mypy: the reference engine's seams and their consumers,
+# [tool.mypy] in pyproject.toml) and the whole test suite (CI runs exactly this through .ci/run).
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -19,6 +19,11 @@ limit loses at most the step in flight:
    available" when the checkout does not have it).
 7. ``pinning``: registration time and H2D GB/s for 4, 16 and 32 GiB, whole and in per-layer chunks, against the
    probe (``gpu_steps.py``).
+8. ``real_size``: both Phase-A targets at their published width (``gpu_size.py``): B0, B3, OURS at c = 1 and 4,
+   B = 16, 25 % cache; the hide terms, H2D GB/s at the real expert size, busy fraction and ops of one cell,
+   grouped GEMM against gathered bmm at the real dimensions.
+
+Bad arguments (an unknown step, a budget out of range) write a summary saying why and exit 2.
 
 ``--cpu`` runs every step's CPU-runnable part with the same code (CI runs it: tests/engine/reference/
 test_gpu_check.py). ``real_slice`` and ``real_target`` (``gpu_real.py``) are not in the default list; name them
@@ -44,13 +49,14 @@ REPO = Path(__file__).resolve().parents[1]
 #: The default steps and their time limits in seconds (440 in all: the shell's hard limit is 470 s, the device
 #: call's 480 s).
 STEPS: dict[str, float] = {
-    "bundle": 30,
-    "preflight": 40,
-    "link_tests": 60,
-    "configurations": 100,
-    "configuration_tests": 90,
-    "overhead": 70,
-    "pinning": 50,
+    "bundle": 20,
+    "preflight": 30,
+    "link_tests": 45,
+    "configurations": 70,
+    "configuration_tests": 60,
+    "overhead": 40,
+    "pinning": 30,
+    "real_size": 145,
 }
 #: ``--cpu`` stretches every budget by this factor: a shared 2-core CI machine is slower than the box and has no
 #: call limit (what it checks is that every step still runs, not how fast).
@@ -65,8 +71,15 @@ LINK_TESTS = (
 CONFIGURATION_TESTS = ("tests/engine/reference/test_gpu.py", "tests/engine/reference/test_gpu_real.py")
 OVERHEAD = REPO / "benchmarks" / "engine_overhead.py"
 #: The overhead benchmark's size: both real geometries with the layers cut to fit the time box on CUDA (its
-#: report extrapolates to the real depth); its CI smoke size on the CPU.
-OVERHEAD_ARGS = {"cuda": ["--device", "cuda", "--layers", "8"], "cpu": ["--device", "cpu", "--quick"]}
+#: report extrapolates to the real depth), c = 1 and 4, no profiler pass (``real_size`` profiles one cell per
+#: target); its CI smoke size on the CPU.
+OVERHEAD_ARGS = {
+    "cuda": ["--device", "cuda", "--layers", "4", "--concurrency", "4", "--no-profile"],
+    "cpu": ["--device", "cpu", "--quick"],
+}
+REAL_SIZE = REPO / "benchmarks" / "gpu_size.py"
+#: ``--budget-s`` bounds (scripts/gpu_check.sh checks the same).
+BUDGET_RANGE_S = (10.0, 7200.0)
 
 
 class Check:
@@ -250,6 +263,40 @@ def step_overhead(check: Check, timeout: float) -> dict[str, Any]:
         return out
 
 
+def step_real_size(check: Check, timeout: float) -> dict[str, Any]:
+    """Both targets at their published width (``gpu_size.py``): its JSON is rewritten after every measurement and
+    it stops starting cells before its own budget (10 s under this step's), so a timeout keeps what it measured."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "real_size.json"
+        args = [sys.executable, str(REAL_SIZE), "--device", check.device, "--json", str(path)]
+        args += ["--budget-s", f"{max(5.0, timeout - 10):.0f}"]
+        out: dict[str, Any] = {"command": " ".join(["benchmarks/gpu_size.py", *args[2:3], check.device])}
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=check.env()
+            )
+            out.update(exit_code=proc.returncode, tail=proc.stdout[-800:])
+            error = proc.stderr[-1500:] if proc.returncode else None
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {timeout:.0f} s (what was measured until then is kept)"
+        out["seconds"] = time.perf_counter() - start
+        if path.is_file():
+            out["result"] = json.loads(path.read_text())
+        result = out.get("result", {})
+        out["ok"] = error is None and result.get("status") == "complete" and result.get("ok") is True
+        if not out["ok"]:
+            out["error"] = (
+                error
+                or "; ".join(
+                    f"{name}: {t.get('error') or 'a cell not OK'}"
+                    for name, t in result.get("targets", {}).items()
+                )
+                or "no complete JSON written"
+            )
+        return out
+
+
 def _real(check: Check, step: str, timeout: float) -> dict[str, Any]:
     script = str(REPO / "benchmarks" / "gpu_real.py")
     return run_json(check, [sys.executable, script, "--step", step, "--device", check.device], timeout)
@@ -263,9 +310,14 @@ STEP_FUNCTIONS = {
     "configuration_tests": lambda check, t: _pytest(check, CONFIGURATION_TESTS, t),
     "overhead": step_overhead,
     "pinning": lambda check, t: _steps_call(check, "pinning", t),
+    "real_size": step_real_size,
     "real_slice": lambda check, t: _real(check, "slice", t),
     "real_target": lambda check, t: _real(check, "real", t),
 }
+
+
+class BadArguments(ValueError):
+    """An argument the check refuses: the summary says why and the exit code is 2."""
 
 
 def _wanted(text: str | None) -> list[str]:
@@ -274,9 +326,34 @@ def _wanted(text: str | None) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     known = {**STEPS, **EXTRA_STEPS}
     unknown = [s for s in names if s not in known]
-    if unknown:
-        raise SystemExit(f"gpu_check: unknown step(s) {', '.join(unknown)}; use {', '.join(known)}")
+    if unknown or not names:
+        raise BadArguments(
+            f"--steps: unknown step(s) {', '.join(unknown) or repr(text)}; use {', '.join(known)}"
+        )
     return [s for s in known if s in names]
+
+
+def _budget(value: float | None, cpu: bool) -> float:
+    factor = CPU_BUDGET_FACTOR if cpu else 1
+    if value is None:
+        return factor * sum(STEPS.values())
+    low, high = BUDGET_RANGE_S
+    if not low <= value <= high:  # NaN fails too
+        raise BadArguments(f"--budget-s must be from {low:g} to {high:g} seconds, got {value!r}")
+    return value
+
+
+def _refuse(output: Path, why: str) -> int:
+    """Bad input: the summary says why (nothing else runs), exit 2."""
+    print(f"gpu_check: {why}", file=sys.stderr)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(
+            json.dumps({"ok": False, "error": f"gpu_check: {why}", "steps": {}}, indent=2) + "\n"
+        )
+    except OSError as exc:
+        print(f"gpu_check: could not write {output}: {exc}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,12 +371,15 @@ def main(argv: list[str] | None = None) -> int:
         help=f"overall seconds (default {sum(STEPS.values()):g}; --cpu: × {CPU_BUDGET_FACTOR})",
     )
     args = parser.parse_args(argv)
-    wanted = _wanted(args.steps)
     output = Path(args.output or Path(os.environ.get("OUT", ".")) / "gpu_check.json")
+    try:
+        wanted, budget = _wanted(args.steps), _budget(args.budget_s, args.cpu)
+    except BadArguments as exc:
+        return _refuse(output, str(exc))
     factor = CPU_BUDGET_FACTOR if args.cpu else 1
-    budget = args.budget_s if args.budget_s is not None else factor * sum(STEPS.values())
     check = Check(output, "cpu" if args.cpu else "cuda", budget, args.cpu)
     print(f"gpu check ({check.summary['mode']}): {', '.join(wanted)} -> {output}", flush=True)
+    check.summary["step_budgets_s"] = {name: factor * {**STEPS, **EXTRA_STEPS}[name] for name in wanted}
     check.write()
     limits = {**STEPS, **EXTRA_STEPS}
     for name in wanted:

@@ -111,6 +111,11 @@ def _cuda_preflight(out: dict[str, Any]) -> list[str]:
     except Exception as exc:
         out["probe"] = {"error": f"{type(exc).__name__}: {exc}"}
         problems.append(f"probe: {out['probe']['error']}")
+    try:
+        out["expert_compute"] = expert_compute(major)
+    except Exception as exc:
+        out["expert_compute"] = {"error": f"{type(exc).__name__}: {exc}"}
+        problems.append(f"expert-compute probe: {out['expert_compute']['error']}")
     probe_rate = out["probe"].get("h2d", {}).get("bytes_per_second")
     try:
         view, commit = committed(GIB)
@@ -120,6 +125,23 @@ def _cuda_preflight(out: dict[str, Any]) -> list[str]:
     if not out["register_1gib"].get("ok"):
         problems.append(f"1 GiB cudaHostRegister: {out['register_1gib'].get('error')}")
     return problems
+
+
+def expert_compute(major: int) -> dict[str, Any]:
+    """The engine's expert-compute decision on this device for bf16 (``offload/grouped.py``: capability and the
+    ``_grouped_mm`` probe under ``set_sync_debug_mode("error")``), and which architecture's path this device
+    does NOT exercise (that one is tested on the CPU with a faked capability)."""
+    import torch
+
+    from pd_dflash.engine.reference.offload.grouped import FAST_KERNEL_MAJORS, cuda_choice
+
+    out = cuda_choice(torch.device("cuda", 0), torch.bfloat16)
+    other = "12.0 (RTX PRO 6000: gathered_bmm)" if major in FAST_KERNEL_MAJORS else "9.0 (H200: grouped_mm)"
+    out["not_exercised_on_this_device"] = (
+        f"the path of compute capability {other}: tested on the CPU with a faked capability "
+        "(tests/engine/reference/test_grouped_experts.py)"
+    )
+    return out
 
 
 def arch_match(major: int, minor: int, archs: list[str]) -> str | None:
@@ -139,13 +161,13 @@ def arch_match(major: int, minor: int, archs: list[str]) -> str | None:
 
 
 def committed(nbytes: int):
-    """``nbytes`` of host memory whose pages are written (committed), page-aligned: (view, seconds)."""
-    import torch
+    """``nbytes`` of host memory whose pages are written (committed), page-aligned: (view, seconds). Its storage
+    starts on the page the registration starts on (``offload/store.py``'s ``page_aligned``), so
+    ``is_pinned()`` (asked of the storage's start) reports the registration."""
+    from pd_dflash.engine.reference.offload.store import page_aligned
 
     start = time.perf_counter()
-    host = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-    offset = -host.data_ptr() % PAGE
-    view = host[offset : offset + nbytes]
+    view = page_aligned(nbytes)
     view.fill_(1)  # as the loader's reads do before a layer is pinned
     return view, time.perf_counter() - start
 
@@ -254,7 +276,12 @@ def configurations(device: str, budget_s: float, preset: str) -> dict[str, Any]:
         EngineContext.for_model(spec, device="cuda:0" if device == "cuda" else "cpu")
     )
     cells, outputs = [], {}
+    deadline, longest = time.perf_counter() + budget_s, 0.0
     for cell in expand(spec):
+        if time.perf_counter() + longest > deadline:  # keep what ran: the step's JSON, not a timeout
+            cells.append({"baseline": cell.baseline, "concurrency": cell.concurrency, "status": "NOT_RUN"})
+            continue
+        started = time.perf_counter()
         try:
             result = engine.run_cell(cell)
         except Refused as refusal:
@@ -269,6 +296,7 @@ def configurations(device: str, budget_s: float, preset: str) -> dict[str, Any]:
             continue
         cells.append(_cell_entry(cell, result))
         outputs[(cell.baseline, cell.concurrency)] = engine.captured
+        longest = max(longest, time.perf_counter() - started)
     checks = {
         "same_shape_equal": _same_shape_pairs(cells),
         "ar_vs_speculative": engine.divergences,

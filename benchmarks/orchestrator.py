@@ -85,7 +85,7 @@ def benchmark_spec(repeats: int, seconds: float, load_seconds: float) -> dict:
         "block_sizes": [8, 16],
         "concurrency": [1, 2, 4, 8, 16, 32],
         "repeats": repeats,
-        "workload": {"requests": 8},
+        "workload": {"requests": 32},  # at least the highest concurrency (registry.check)
         "hardware": {"accelerator_type": "RTX-PRO-6000", "cpus_per_runner": 0},
     }
 

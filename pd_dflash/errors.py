@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 from pydantic import ValidationError
@@ -36,8 +37,24 @@ def format_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
             msg = msg[len("Value error, ") :]
         got = err.get("input", _MISSING)
         shown = "" if got is _MISSING or err.get("type") == "missing" else f" (got {excerpt(got)})"
-        lines.append(f"{path or '<root>'}: {msg}{shown}")
+        lines.append(f"{path or '<root>'}: {msg}{shown}{_how_to_fix(err, got, loc)}")
     return "; ".join(lines)
+
+
+def _how_to_fix(err: Any, got: Any, loc: str) -> str:
+    """The fix, where it is known: YAML reads an unquoted ``2025-08-05`` as a date and ``yes``/``on`` as a
+    boolean, and a number is no text in YAML or JSON, so a field that wants text gets something else; quoting
+    it keeps it text."""
+    if err.get("type") != "string_type":
+        return ""
+    key = loc.rsplit(".", 1)[-1] or "the value"
+    if isinstance(got, (datetime.date, datetime.time)):  # datetime.datetime is a date
+        return f'; YAML read an unquoted date: quote it, e.g. {key}: "{got.isoformat()}"'
+    if isinstance(got, bool):
+        return "; quote it to keep it text (YAML reads an unquoted yes/no/on/off/true/false as a boolean)"
+    if isinstance(got, (int, float)):
+        return "; quote it to keep it text (a number, unquoted)"
+    return ""
 
 
 _MISSING = object()

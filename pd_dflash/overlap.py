@@ -26,13 +26,14 @@ import json
 import re
 import shutil
 import subprocess
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
 from pd_dflash.errors import InputError
+from pd_dflash.intervals import merge
 
 DEFAULT_COMPUTE_RANGES: tuple[str, ...] = ("dflash_draft", "route_ahead_router", "target_verify")
 _TIME_UNITS = {
@@ -190,17 +191,6 @@ def strip_empty_domain(name: str) -> str:
     return name[1:] if name.startswith(":") else name
 
 
-def union_spans(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Disjoint, sorted union of closed intervals (zero-length ones kept: a memcpy instant may hit them)."""
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
 def hidden_fraction(memcpy: Memcpy, spans: Sequence[tuple[float, float]]) -> float:
     """Fraction of one memcpy's duration inside the spans (instant copies: 1 if inside a span, else 0)."""
     duration = memcpy.end_ns - memcpy.start_ns
@@ -216,7 +206,9 @@ def compute_overlap(
     compute_ranges: Sequence[str] = DEFAULT_COMPUTE_RANGES,
 ) -> dict[str, Any]:
     names = {strip_empty_domain(n) for n in compute_ranges}
-    spans = union_spans((r.start_ns, r.end_ns) for r in ranges if strip_empty_domain(r.name) in names)
+    spans = merge(
+        ((r.start_ns, r.end_ns) for r in ranges if strip_empty_domain(r.name) in names), keep_empty=True
+    )
     total = sum(m.nbytes for m in memcpys)
     overlapped = sum(m.nbytes * hidden_fraction(m, spans) for m in memcpys)
     return {

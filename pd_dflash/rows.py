@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import secrets
 from collections.abc import Callable, Iterator
@@ -296,7 +297,7 @@ def _roll_back(fd: int, offset: int, path: Path, cause: BaseException) -> None:
 
 def encode_row(row: Row) -> bytes:
     """The stored line of a row (compact JSON, upstream field order, trailing newline)."""
-    return (json.dumps(row.to_json_dict(), separators=(",", ":")) + "\n").encode("utf-8")
+    return (json.dumps(row.to_json_dict(), separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
 
 
 def append_row(path: str | Path, row: Row) -> None:
@@ -309,12 +310,27 @@ def append_row(path: str | Path, row: Row) -> None:
 
 
 def append_json(path: str | Path, obj: dict[str, Any]) -> None:
-    """Append one JSON object as one line, all-or-nothing and durable like :func:`append_row` (events.jsonl)."""
-    _append_line(Path(path), (json.dumps(obj, separators=(",", ":")) + "\n").encode("utf-8"))
+    """Append one JSON object as one line, all-or-nothing and durable like :func:`append_row` (events.jsonl).
+    JSON has no NaN or inf: a non-finite number in an event is written as its name (``"inf"``)."""
+    try:
+        text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        text = json.dumps(_named_non_finite(obj), separators=(",", ":"), allow_nan=False)
+    _append_line(Path(path), (text + "\n").encode("utf-8"))
+
+
+def _named_non_finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)
+    if isinstance(obj, dict):
+        return {k: _named_non_finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_named_non_finite(v) for v in obj]
+    return obj
 
 
 def _append_line(path: Path, line: bytes) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
     try:
         end = os.fstat(fd).st_size
         data = _separator(fd, end, path) + line
@@ -334,7 +350,7 @@ def repair_tail(path: str | Path) -> TailRepair | None:
     never lost) and truncated; a complete last row lacking its newline gets one. None when nothing was wrong."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     try:
@@ -356,7 +372,7 @@ def repair_tail(path: str | Path) -> TailRepair | None:
 
 def _keep_aside(path: Path, text: bytes) -> Path:
     aside = path.with_name(path.name + ".torn")
-    fd = os.open(aside, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+    fd = os.open(aside, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
     try:
         data = text + b"\n"
         while data:
@@ -371,7 +387,7 @@ def repair_torn_tail(path: str | Path, torn: TornTail) -> Path:
     """Move a torn last line (found by ``read_rows(..., tolerate_torn_tail=True)``) aside and truncate it."""
     path = Path(path)
     aside = _keep_aside(path, torn.text.encode("utf-8"))
-    fd = os.open(path, os.O_RDWR)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     try:
         os.ftruncate(fd, torn.offset)
         os.fsync(fd)

@@ -47,6 +47,14 @@ REASON_REQUIRED = frozenset({Status.REFUSED, Status.ERROR, Status.TIMEOUT})
 FINAL_STATUSES = frozenset(Status) - FAILED_STATUSES
 
 
+#: Which kind a REFUSED row is. "input": of the user's own making — a spec value, a checkpoint, file or drafter it
+#: names, or what a box lacks for them (memory, a chat template, a load the engine refused); a run that stores
+#: one exits non-zero and says so. "documented": a configuration the engine documents it does not run (a baseline
+#: it does not implement, a feature the installed library build lacks); not counted against the run.
+RefusalKind = Literal["input", "documented"]
+REFUSAL_KINDS: tuple[str, ...] = ("input", "documented")
+
+
 #: The largest integer a row holds (a signed 64-bit count: bytes, tokens, ids); also the bound on int fields.
 MAX_INT = 2**63 - 1
 
@@ -174,6 +182,8 @@ class EngineResult(_Model):
 
     status: Status = Status.OK
     reason: str | None = None
+    #: A REFUSED row's kind (``RefusalKind``); absent on every other row (and on rows from before it: counted).
+    refusal: RefusalKind | None = None
     warnings: list[str] = Field(default_factory=list)
     cost_terms: CostTerms | None = None
 
@@ -244,7 +254,17 @@ class EngineResult(_Model):
             raise ValueError(f"status {self.status.value} must carry no metrics, found: {', '.join(present)}")
         if self.status in REASON_REQUIRED and not (self.reason and self.reason.strip()):
             raise ValueError(f"status {self.status.value} needs a reason")
+        if self.refusal is not None and self.status != Status.REFUSED:
+            raise ValueError(
+                f"refusal {self.refusal!r} is the kind of a REFUSED row, not of a {self.status.value} one"
+            )
         return self
+
+    @property
+    def counted_refusal(self) -> bool:
+        """A REFUSED row of the user's own making (kind "input", or a row from before kinds): the run that
+        stores it exits non-zero. A documented refusal is not counted."""
+        return self.status == Status.REFUSED and self.refusal != "documented"
 
     def present_metrics(self) -> list[str]:
         return [m for m in REQUIRED_METRICS if getattr(self, m) is not None]
@@ -275,6 +295,9 @@ class Row(EngineResult):
     #: The cell's ablation values (``ablation.ABLATION_AXES``): part of its identity and of its report group.
     ablation: dict[str, float] | None = None
     max_new_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
+    #: The seed of the repeat's sample of the workload (``spec.sample_seed``): the configurations of one repeat
+    #: share it (paired), the repeats differ (independent samples). Absent on upstream rows.
+    sample_seed: Annotated[int, Field(strict=True)] | None = None
     #: Host, device, driver, package versions, git revision of the runner that measured the row.
     environment: dict[str, Any] | None = None
     #: Which runner measured it: node id/ip, GPU ids Ray assigned, actor pid.
@@ -313,7 +336,10 @@ class Row(EngineResult):
 
     @classmethod
     def without_metrics(cls, cell: Cell, status: Status, reason: str, **bookkeeping: Any) -> Row:
-        """A row for a cell that was not measured (blocked, refused, errored, timed out)."""
+        """A row for a cell that was not measured (blocked, refused, errored, timed out); a REFUSED one is of
+        kind "input" unless ``refusal=`` says otherwise."""
+        if status == Status.REFUSED:
+            bookkeeping.setdefault("refusal", "input")
         return cls.model_validate({**_cell_fields(cell), "status": status, "reason": reason, **bookkeeping})
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -342,6 +368,7 @@ def _cell_fields(cell: Cell) -> dict[str, Any]:
         "cell_id": cell.cell_id,
         "block_sizes_covered": list(cell.block_sizes_covered),
         "max_new_tokens": cell.max_new_tokens,
+        "sample_seed": cell.sample_seed,
         **({"ablation": dict(cell.ablation)} if cell.ablation else {}),
     }
 

@@ -24,7 +24,7 @@ from pd_dflash.baselines import BLOCK_INDEPENDENT, OFFLOADED, SPECULATIVE, Basel
 from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.safe_load import decode_utf8, load_yaml
 from pd_dflash.spec_inputs import ChatDate, EnvName, RayQuantity, RayResource, check_no_nul, how_many
-from pd_dflash.stopping import AdaptiveRepeats, Repeats
+from pd_dflash.stopping import AdaptiveRepeats, Repeats, repeat_bounds
 from pd_dflash.upstream import OFFLOAD_RATIO_LIMIT, REQUIRED_METRICS
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -101,7 +101,7 @@ class Workload(_Input):
     prompt_tokens: Annotated[int, Field(ge=1)] = 32
     #: 0 is greedy (lossless against AR, upstream's setting); > 0 uses speculative sampling.
     temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
-    seed: int = 1408
+    seed: Annotated[int, Field(ge=0, lt=2**32)] = 1408  # repeat 0's sample (sample_seed); derived seeds fit
     #: The date chat templates render (``strftime_now``): unset, ``spec_inputs.DEFAULT_CHAT_DATE`` — never the clock.
     chat_date: ChatDate | None = None
 
@@ -264,20 +264,11 @@ class SweepSpec(_Input):
         return self
 
     # -- derived -------------------------------------------------------------------------------------------
-    @property
-    def adaptive(self) -> AdaptiveRepeats | None:
-        """The adaptive bounds, or None for a fixed repeat count."""
-        return self.repeats if isinstance(self.repeats, AdaptiveRepeats) else None
-
-    @property
-    def max_repeats(self) -> int:
-        """Repeats per cell at most: the fixed count, or the adaptive ``max`` (cell ids are expanded to it)."""
-        return self.adaptive.max if self.adaptive else int(self.repeats)
-
-    @property
-    def min_repeats(self) -> int:
-        """Repeats every group runs: the fixed count, or the adaptive ``min``."""
-        return self.adaptive.min if self.adaptive else int(self.repeats)
+    #: The adaptive bounds (None: a fixed count); the repeats every group runs, and per cell at most (the cells
+    #: are expanded to it): N and N, or min and max.
+    adaptive = property(lambda self: self.repeats if isinstance(self.repeats, AdaptiveRepeats) else None)
+    min_repeats = property(lambda self: repeat_bounds(self.repeats)[0])
+    max_repeats = property(lambda self: repeat_bounds(self.repeats)[1])
 
     def model(self, model_id: str) -> ModelSpec:
         for m in self.models:
@@ -312,6 +303,8 @@ class Cell(_Strict):
     memory_ratio: float
     #: This cell's value of each list-valued ablation axis (``ablation.ABLATION_AXES``); empty for a single-valued spec.
     ablation: dict[str, float] = Field(default_factory=dict)
+    #: The seed of this repeat's sample of the workload (:func:`sample_seed`): prompts, their order, sampling.
+    sample_seed: int
 
     @property
     def identity(self) -> tuple:
@@ -327,6 +320,13 @@ class Cell(_Strict):
     @property
     def speculative(self) -> bool:
         return self.baseline in SPECULATIVE
+
+
+def sample_seed(seed: int, repeat: int) -> int:
+    """The seed of repeat ``repeat``'s sample (prompts, their order, sampling; shared by its configurations):
+    the spec's ``seed`` for repeat 0, else a hash of (seed, repeat) in [0, 2**31). docs/metrics.md §4.5."""
+    digest = hashlib.sha256(f"pd-dflash-sample:{seed}:{repeat}".encode()).digest()
+    return seed if repeat == 0 else int.from_bytes(digest[:4], "big") >> 1
 
 
 def _digest(obj: Any) -> str:
@@ -408,7 +408,7 @@ def iter_cells(spec: SweepSpec) -> Iterator[Cell]:
                         fields["ablation"] = ablation
                     text = '{"cell":' + _canonical(fields) + suffix
                     cell_id = hashlib.sha256(text.encode()).hexdigest()[:16]
-                    yield Cell(cell_id=cell_id, **fields)
+                    yield Cell(cell_id=cell_id, sample_seed=sample_seed(spec.workload.seed, repeat), **fields)
 
 
 def expand(spec: SweepSpec) -> list[Cell]:

@@ -102,6 +102,85 @@ def how_many(n: int) -> str:
     return f"about 10^{int(n.bit_length() * 0.30103)}"
 
 
+def check_concurrency(spec: Any) -> None:
+    """No concurrency above ``workload.requests``: at most that many requests are ever in flight, so the cell
+    would be measured at a lower concurrency than its label (InputError naming both fields)."""
+    requests = spec.workload.requests
+    above = [c for c in spec.concurrency if c > requests]
+    if above:
+        raise InputError(
+            f"c = {', '.join(how_many(c) for c in above)} is above workload.requests = {requests:,}: at most "
+            f"{requests:,} requests are ever in flight, so such a cell would be measured at c = {requests:,} and "
+            f"labelled c = {how_many(above[0])}. Fix: raise workload.requests to at least {how_many(max(above))} "
+            f"or keep concurrency at most {requests:,}",
+            where="concurrency",
+        )
+
+
+#: The most positions one request may need (prompt + max_new_tokens + B), whatever the engine: beyond every
+#: released model's context (the longest are ~10M tokens), so no engine's memory pre-check can hold it.
+MAX_REQUEST_TOKENS = 2**24
+
+
+def check_token_counts(spec: Any) -> None:
+    """Token counts no model can hold, refused for every engine before any model is known (InputError naming the
+    field and :data:`MAX_REQUEST_TOKENS`); a known model's own positions are its engine's check."""
+    max_new, block = generation_tokens(spec)
+    wl = spec.workload
+    prompt = max(2, wl.prompt_tokens) if wl.prompts == "synthetic" else 0
+    if prompt + max_new + block > MAX_REQUEST_TOKENS:
+        field = "workload.max_new_tokens" if max_new >= prompt else "workload.prompt_tokens"
+        raise InputError(
+            f"a request would need {how_many(prompt + max_new + block)} positions (prompt {how_many(prompt)} + "
+            f"max_new_tokens {how_many(max_new)} + block {block}), more than {MAX_REQUEST_TOKENS:,}, beyond any "
+            "model's context and any memory pre-check: lower it",
+            where=field,
+        )
+
+
+def generation_tokens(spec: Any) -> tuple[int, int]:
+    """(max_new_tokens, block) of the spec's cell that needs the most positions past its prompt: a speculative
+    cell's verify block writes up to B positions past what it has committed, an autoregressive one none."""
+    from pd_dflash.baselines import BLOCK_INDEPENDENT, SPECULATIVE  # spec.py imports this module
+
+    wl, largest = spec.workload, max(spec.block_sizes)
+    pairs = [
+        # as spec.iter_cells resolves it: a block-independent row stands for the largest block
+        (
+            wl.resolve_max_new_tokens(largest if name in BLOCK_INDEPENDENT else b),
+            b if name in SPECULATIVE else 0,
+        )
+        for name in spec.baselines
+        for b in spec.block_sizes
+    ]
+    return max(pairs, key=sum)
+
+
+def positions_problem(
+    longest_prompt: int,
+    max_new_tokens: int,
+    block: int,
+    positions: int,
+    *,
+    model: str,
+    bound: str,
+    lower: bool,
+) -> str | None:
+    """Why a cell cannot stay inside the model's positions (its prompt + ``max_new_tokens`` + the verify block
+    ``block``, 0 for autoregressive decoding), or None. ``bound`` names where ``positions`` comes from;
+    ``lower``: the prompt length is a lower bound (its own tokens, before the chat template adds its own)."""
+    need = longest_prompt + max_new_tokens + block
+    if need <= positions:
+        return None
+    prompt = f"{'at least ' if lower else ''}{longest_prompt:,} tokens"
+    verify = f" + the verify block (B = {block})" if block else ""
+    return (
+        f"{model}: the longest prompt ({prompt}) + workload.max_new_tokens ({max_new_tokens:,}){verify} needs "
+        f"{need:,} positions, more than the model's {positions:,} ({bound}). Fix: shorten the prompts "
+        "(workload.prompt_tokens, workload.prompts) or lower workload.max_new_tokens or the block sizes"
+    )
+
+
 def prompt_file(source: str) -> Path | None:
     """The file a ``workload.prompts`` value names (``file:PATH`` or a plain path); None for the built-ins."""
     if source in ("synthetic", "humaneval"):

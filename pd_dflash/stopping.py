@@ -62,6 +62,11 @@ Repeats = Annotated[
 ]
 
 
+def repeat_bounds(repeats: int | AdaptiveRepeats) -> tuple[int, int]:
+    """(the repeats every group runs, the most any runs): (N, N) for a fixed count, (min, max) adaptive."""
+    return (repeats.min, repeats.max) if isinstance(repeats, AdaptiveRepeats) else (repeats, repeats)
+
+
 def planned_looks(bounds: AdaptiveRepeats) -> int:
     """L = max − min + 1: a look after each repeat from min to max."""
     return bounds.max - bounds.min + 1

@@ -1,8 +1,12 @@
-"""Compare two sweeps' rows.jsonl apart from what depends on wall-clock time.
+"""Compare two sweeps' rows apart from what depends on wall-clock time.
 
 Used to check that a behaviour-preserving change (a restructuring) leaves `make run`'s rows unchanged:
-``python scripts/compare_runs.py BEFORE/rows.jsonl AFTER/rows.jsonl``. Rows are matched by identity
-(model, baseline, block_size, concurrency, repeat). Two things are compared:
+``python scripts/compare_runs.py BEFORE AFTER``, each a sweep directory (its rows.jsonl) or a row file
+(rows.jsonl, upstream raw JSON). Each input is read as ``pd-dflash report`` reads it and refused where the
+report refuses it (a torn line, a row the schema rejects, a duplicate identity, a file without rows, a
+matrix), with the file named; an ERROR/TIMEOUT row followed by a retry is superseded, as in the report. Rows
+are matched by their full identity (``Row.identity``: model, baseline, block_size, concurrency, repeat and the
+ablation values). Two things are compared:
 
 - the *shape*: every row has the same nested field names (a field added, dropped or renamed shows up);
 - the *values* of every field that does not depend on timing: identity, status, token counts and output
@@ -10,7 +14,8 @@ Used to check that a behaviour-preserving change (a restructuring) leaves `make 
   drafter facts. Values driven by the clock (seconds, rates, hit counts of an emulated link whose timeline
   follows measured compute time) are listed by ``TIMED`` and skipped; ``--show-timed`` prints them side by side.
 
-Exit 0 when both agree, 1 otherwise (each difference printed).
+Exit 0 when both agree on at least one compared value, 1 on any difference or when nothing could be compared
+(no value compared is no agreement), 2 on bad input (the file named).
 """
 
 from __future__ import annotations
@@ -21,7 +26,13 @@ import re
 import sys
 from pathlib import Path
 
-IDENTITY = ("model", "baseline", "block_size", "concurrency", "repeat")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from pd_dflash.errors import InputError
+from pd_dflash.report.aggregate import build_matrix
+from pd_dflash.report.build import open_inputs
+from pd_dflash.rows import ROWS_FILE, iter_rows, read_line_at
+
 #: Field paths (regular expressions over dotted paths) whose values follow the clock.
 TIMED = [
     r".*seconds.*",
@@ -94,12 +105,31 @@ def flatten(obj, prefix=""):
     return {prefix: obj}
 
 
-def load(path: Path) -> dict[tuple, dict]:
-    rows = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows[tuple(row[k] for k in IDENTITY)] = row
+def rows_path(given: Path) -> Path:
+    """The row file of an input: a sweep directory's rows.jsonl, or the file itself."""
+    if given.is_dir():
+        path = given / ROWS_FILE
+        if not path.is_file():
+            raise InputError(
+                f"is a directory without {ROWS_FILE} (expected a sweep directory or a row file)",
+                where=str(given),
+            )
+        return path
+    if not given.exists():
+        raise InputError("does not exist", where=str(given))
+    return given
+
+
+def load(given: Path) -> dict[tuple, dict]:
+    """The current row of each identity in ``given`` (stored JSON), refused as ``pd-dflash report`` refuses."""
+    path = rows_path(given)
+    with open_inputs([path]) as (briefs, sources):
+        build_matrix(briefs, sources)  # the report's own checks: duplicates, covered block sizes, ...
+    rows: dict[tuple, dict] = {}
+    for row, source in iter_rows(path):
+        # a later row of an identity supersedes an ERROR/TIMEOUT one (build_matrix refused any other repeat)
+        text = read_line_at(source) if source.offset is not None else None
+        rows[row.identity] = json.loads(text) if text else row.model_dump(mode="json", exclude_unset=True)
     return rows
 
 
@@ -124,7 +154,11 @@ def main(argv=None) -> int:
     ap.add_argument("after", type=Path)
     ap.add_argument("--show-timed", action="store_true")
     args = ap.parse_args(argv)
-    a, b = load(args.before), load(args.after)
+    try:
+        a, b = load(args.before), load(args.after)
+    except InputError as exc:
+        print(f"compare_runs: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     problems = []
     if set(a) != set(b):
         problems.append(
@@ -148,7 +182,9 @@ def main(argv=None) -> int:
     for p in problems:
         print(p)
     print(f"{len(a)} vs {len(b)} rows, {compared} deterministic values compared, {len(problems)} differences")
-    return 1 if problems else 0
+    if not compared:
+        print("nothing compared: no deterministic value in common, which is no agreement", file=sys.stderr)
+    return 1 if problems or not compared else 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from pd_dflash.schema import BLOCKED_STATUSES, EngineResult, Status
+from pd_dflash.schema import BLOCKED_STATUSES, REFUSAL_KINDS, EngineResult, RefusalKind, Status
 from pd_dflash.spec import SLO, Cell, Hardware, Memory, ModelSpec, SweepSpec, Workload
 
 
@@ -19,20 +19,30 @@ class Refused(Exception):
     """A configuration the engine must not run, raised anywhere inside an engine.
 
     The runner turns it into one row with this ``status`` (REFUSED, BLOCKED_*, UNAVAILABLE_CAPACITY) and
-    ``reason``; an engine never builds that row itself.
+    ``reason``; an engine never builds that row itself. A REFUSED one has a ``kind`` (``schema.RefusalKind``):
+    "input" (the default: the spec or what it names cannot be honoured; the run exits non-zero) or
+    "documented" (a configuration the engine documents it does not run; not counted).
     """
 
-    def __init__(self, status: Status, reason: str) -> None:
+    def __init__(self, status: Status, reason: str, kind: RefusalKind = "input") -> None:
         if status not in BLOCKED_STATUSES:
             raise ValueError(
                 f"Refused needs a no-metric status ({', '.join(sorted(BLOCKED_STATUSES))}), got {status}"
             )
+        if kind not in REFUSAL_KINDS:
+            raise ValueError(f"Refused kind must be one of {', '.join(REFUSAL_KINDS)}, got {kind!r}")
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.kind = kind
 
     def __reduce__(self):  # Ray carries it from a runner to the driver (a load that is refused)
-        return (type(self), (self.status, self.reason))
+        return (type(self), (self.status, self.reason, self.kind))
+
+    def result(self) -> EngineResult:
+        """The engine's result this refusal stands for (its kind on a REFUSED row only)."""
+        kind = self.kind if self.status == Status.REFUSED else None
+        return EngineResult(status=self.status, reason=self.reason, refusal=kind)
 
 
 class EngineContext(BaseModel):

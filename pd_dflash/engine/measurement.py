@@ -4,8 +4,8 @@ In the manner of vLLM's ``calculate_metrics(input_requests, outputs, dur_s)``: a
 loop observed as a neutral :class:`CellTrace` (per-request timings, verify rounds, cache counters, prefetch
 statistics, link facts) and :func:`engine_result` derives every headline metric (``upstream.REQUIRED_METRICS``),
 the status, the latency distributions, the acceptance histogram, the cost terms and the hide inequality from it,
-once, here. The engines only convert: ``engine/reference/metrics.py`` reads the offload runtime and the rounds,
-``engine/moe_infinity/results.py`` vets MoE-Infinity's native readings. A value an engine could not observe is
+once, here. The engines only convert: ``engine/reference/trace.py`` reads the offload runtime and the rounds,
+``engine/moe_infinity/trace.py`` vets MoE-Infinity's native readings. A value an engine could not observe is
 None in the trace with its reason in ``absent``; the row then has no value for it, a warning naming it, and
 status PARTIAL — never a 0.0. Pure: no torch, no Ray (``pd-dflash report`` and the tests import it freely).
 """

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from pd_dflash.baselines import GATED, ORDER
 from pd_dflash.errors import InputError, excerpt, format_validation_error
 from pd_dflash.spec import ModelSpec, SweepSpec, load_spec
-from pd_dflash.spec_inputs import check_here
+from pd_dflash.spec_inputs import check_concurrency, check_here, check_token_counts
 
 if TYPE_CHECKING:
     from pd_dflash.engine.interface import Engine
@@ -30,6 +30,18 @@ if TYPE_CHECKING:
 
 #: A custom engine is named ``package.module:ClassName``.
 CUSTOM_ENGINE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+#: Spec fields only some engines read: each built-in engine declares which of them it reads
+#: (``EngineTraits.reads``), and a spec that sets one its engine does not read is refused (:func:`check_reads`).
+ENGINE_FIELDS = {
+    "memory.expert_cache_fraction": "the reference engine's device expert cache",
+    "memory.device_memory_ratio": "MoE-Infinity's device memory ratio of the offloaded load",
+    "memory.resident_memory_ratio": "MoE-Infinity's device memory ratio of B3's load",
+    "workload.chat_date": "the date a chat template renders (the reference engine's text prompts)",
+}
+#: ``workload.prompts`` kinds (``prompts.prompt_kind``): synthetic, humaneval, jsonl (``file:PATH``), lines.
+PROMPT_KINDS = frozenset({"synthetic", "humaneval", "jsonl", "lines"})
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,10 @@ class EngineTraits:
     #: A torch-free check of the whole spec (files the engine will read: checkpoints, drafters, prompts),
     #: ``check_spec(spec) -> notes``; raises InputError. Runs after ``check_model``, at plan time too.
     check_spec: Callable[[SweepSpec], list[str]] | None = None
+    #: The ``ENGINE_FIELDS`` this engine reads (None: unknown, a custom engine's); one it does not read is refused.
+    reads: frozenset[str] | None = None
+    #: The ``workload.prompts`` kinds it reads (``PROMPT_KINDS``).
+    prompt_kinds: frozenset[str] = PROMPT_KINDS
 
 
 def _reference_model(model: ModelSpec, where: str) -> None:
@@ -73,8 +89,18 @@ def _reference_model(model: ModelSpec, where: str) -> None:
 
 
 def _reference_spec(spec: SweepSpec) -> list[str]:
-    """Real checkpoints (and their drafters) visible from here; a checkpoint that is not: a note."""
+    """Every baseline's parts have a factory (``cell.py``); real checkpoints (and their drafters) visible from
+    here; a checkpoint that is not: a note."""
+    from pd_dflash.engine.reference.cell import check_configurations
     from pd_dflash.engine.reference.spec_check import check_spec
+
+    check_configurations(spec.baselines)
+    return check_spec(spec)
+
+
+def _moe_infinity_spec(spec: SweepSpec) -> list[str]:
+    """Visible checkpoints' positions against the spec's longest cell (torch-free, library-free)."""
+    from pd_dflash.engine.moe_infinity.spec_check import check_spec
 
     return check_spec(spec)
 
@@ -94,7 +120,8 @@ BUILTIN: dict[str, EngineTraits] = {
         requires=("torch", "transformers"),
         check_model=_reference_model,
         check_spec=_reference_spec,
-        host_memory="pd_dflash.engine.reference.offload.host_memory:runner_host_memory_bytes",
+        host_memory="pd_dflash.engine.reference.checkpoints.host_memory:runner_host_memory_bytes",
+        reads=frozenset({"memory.expert_cache_fraction", "workload.chat_date"}),
     ),
     "moe_infinity": EngineTraits(
         entry_point="pd_dflash.engine.moe_infinity.engine:MoEInfinityEngine",
@@ -116,6 +143,10 @@ BUILTIN: dict[str, EngineTraits] = {
             "Without it use engine 'reference'",
         },
         check_model=_moe_infinity_model,
+        check_spec=_moe_infinity_spec,
+        # Its prompts (moe_infinity/prompts.py): synthetic paragraphs or a plain text file, no chat template.
+        reads=frozenset({"memory.device_memory_ratio", "memory.resident_memory_ratio"}),
+        prompt_kinds=frozenset({"synthetic", "lines"}),
     ),
 }
 
@@ -178,9 +209,12 @@ def check(spec: SweepSpec, *, where: str | None = None) -> SweepSpec:
             f"(got {excerpt(spec.engine)})",
             where=where or "<spec>",
         )
+    check_concurrency(spec)  # whatever the engine: no more requests are in flight than there are
+    check_token_counts(spec)
     known = static_traits(spec.engine)
     if known is None:
         return spec
+    check_reads(spec, known)
     for i, model in enumerate(spec.models):
         link = model.engine_options.get("emulated_h2d_gbps")
         if isinstance(link, list) and (not link or len(set(link)) != len(link)):
@@ -196,6 +230,38 @@ def check(spec: SweepSpec, *, where: str | None = None) -> SweepSpec:
     if known.check_spec is not None:
         known.check_spec(spec)
     return spec
+
+
+def check_reads(spec: SweepSpec, known: EngineTraits) -> None:
+    """Refuse a spec field (``ENGINE_FIELDS``) or prompt kind the engine does not read: its cells would carry a
+    value no measurement used, and a list-valued one would measure the same thing under several labels."""
+    from pd_dflash.engine.reference.prompts import prompt_kind  # torch-free
+
+    if known.reads is not None:
+        for name, what in ENGINE_FIELDS.items():
+            section, _, key = name.partition(".")
+            part = getattr(spec, section)
+            if name in known.reads or key not in part.model_fields_set or getattr(part, key) is None:
+                continue
+            value = getattr(part, key)
+            axis = (
+                " (a list: one measurement under each label, the plan multiplied)"
+                if isinstance(value, list)
+                else ""
+            )
+            reads = ", ".join(sorted(known.reads)) or "none of them"
+            raise InputError(
+                f"engine {spec.engine} does not read {name} ({what}), so the cells would be labelled with a "
+                f"value no measurement uses{axis}. Of the engine-specific fields it reads {reads}; remove {name}",
+                where=name,
+            )
+    kind = prompt_kind(spec.workload.prompts)
+    if kind not in known.prompt_kinds:
+        raise InputError(
+            f"engine {spec.engine} does not read {kind} prompts ({excerpt(spec.workload.prompts)}); it reads "
+            f"{', '.join(sorted(known.prompt_kinds))} (a plain text file is 'lines')",
+            where="workload.prompts",
+        )
 
 
 def load_checked_spec(path: str | Path) -> SweepSpec:

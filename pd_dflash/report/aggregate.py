@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from pd_dflash.baselines import ORDER
@@ -84,22 +85,47 @@ def summary_stats(
     *,
     lower: float | None = 0.0,
     upper: float | None = None,
+    distinct: int | None = None,
     coverage: float = 0.95,
 ) -> dict[str, Any]:
     """{mean, std, n, ci95_low, ci95_high}: mean ± t(0.975, n−1)·std/√n, clipped to the column's range.
 
-    std (sample, ddof=1) and the interval are None for n < 2. Another ``coverage`` (an adaptive look's,
+    std (sample, ddof=1) and the interval are None for n < 2, and when they exceed the float range (then
+    ``no_interval`` says so). ``distinct``: how many different values the repeats hold (1: no spread, so a
+    zero-width interval that is no evidence, ``confidence.py``). Another ``coverage`` (an adaptive look's,
     ``stopping.py``) widens the interval; the keys keep their names.
     """
-    if n < 2 or std is None or not math.isfinite(std):
-        return {"mean": mean, "std": None, "n": n, "ci95_low": None, "ci95_high": None}
-    half = t_quantile(n - 1, coverage) * std / math.sqrt(n)
+    out: dict[str, Any] = {"mean": mean, "std": None, "n": n, "ci95_low": None, "ci95_high": None}
+    if distinct is not None:
+        out["distinct"] = distinct
+    if n < 2 or std is None or math.isnan(std):
+        return out
+    half = t_quantile(n - 1, coverage) * (std / math.sqrt(n)) if math.isfinite(std) else math.inf
     low, high = mean - half, mean + half
+    if not (math.isfinite(low) and math.isfinite(high)):
+        out["no_interval"] = "the spread of the repeats exceeds the float range"
+        return out
     if lower is not None:
         low = max(lower, low)
     if upper is not None:
         high = min(upper, high)
-    return {"mean": mean, "std": std, "n": n, "ci95_low": low, "ci95_high": high}
+    return {**out, "std": std, "ci95_low": low, "ci95_high": high}
+
+
+def scaled_moments(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean and sample std of finite values without overflow (``1.7e308`` twice has mean ``1.7e308``): computed
+    on the values divided by a power of two near the largest (exact), then scaled back. The mean is always
+    finite; the std is ``inf`` when it exceeds the float range, None for one value."""
+    n = len(values)
+    big = max(abs(v) for v in values)
+    scale = math.ldexp(1.0, math.frexp(big)[1] - 1) if big > 0 else 1.0
+    ys = [v / scale for v in values]
+    mean_y = math.fsum(ys) / n
+    mean = min(max(mean_y * scale, -big), big)
+    if n < 2:
+        return mean, None
+    std_y = math.sqrt(math.fsum((y - mean_y) ** 2 for y in ys) / (n - 1))
+    return mean, (std_y * scale if std_y * scale < math.inf else math.inf)
 
 
 # -- placement ------------------------------------------------------------------------------------------
@@ -322,21 +348,27 @@ def build_matrix(
 
 
 def _stats(records: list[tuple], coverage: float = 0.95) -> dict[tuple[str, str], dict[str, dict[str, Any]]]:
-    """pandas groupby over the measured repeats: mean, std (ddof=1), count → summary_stats per column."""
+    """pandas groupby over the measured repeats: mean, std (ddof=1), count, distinct values → summary_stats per
+    column. A mean or std that overflows (finite values near the float range) is computed again, scaled."""
     if not records:
         return {}
     frame = pd.DataFrame.from_records(records, columns=["key", "baseline", *NUMERIC_COLUMNS])
     values = frame[list(NUMERIC_COLUMNS)].astype("float64")
     values.insert(0, "baseline", frame["baseline"])
     values.insert(0, "key", frame["key"])
-    agg = values.groupby(["key", "baseline"], sort=False).agg(["mean", "std", "count"])
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is computed again below, scaled
+        agg = values.groupby(["key", "baseline"], sort=False).agg(["mean", "std", "count", "nunique"])
     out: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
     for (key, baseline), line in zip(agg.index, agg.itertuples(index=False, name=None), strict=True):
         per: dict[str, dict[str, Any]] = {}
         for i, col in enumerate(NUMERIC_COLUMNS):
-            mean, std, n = line[3 * i], line[3 * i + 1], int(line[3 * i + 2])
+            mean, std, n, distinct = line[4 * i], line[4 * i + 1], int(line[4 * i + 2]), int(line[4 * i + 3])
             if n == 0:
                 continue
+            std = None if n < 2 else float(std)
+            if not math.isfinite(mean) or (std is not None and not math.isfinite(std)):
+                chosen = values[(values["key"] == key) & (values["baseline"] == baseline)][col].dropna()
+                mean, std = scaled_moments(chosen.tolist())
             upper = (
                 1.0
                 if col in RATIO_METRICS or col in ("route_ahead.waste_ratio", "prefetched_in_time_coverage")
@@ -344,7 +376,7 @@ def _stats(records: list[tuple], coverage: float = 0.95) -> dict[tuple[str, str]
             )
             lower = None if col == "hide_inequality.margin_seconds" else 0.0  # a margin may be negative
             per[col] = summary_stats(
-                float(mean), None if n < 2 else float(std), n, lower=lower, upper=upper, coverage=coverage
+                float(mean), std, n, lower=lower, upper=upper, distinct=distinct, coverage=coverage
             )
         out[(key, baseline)] = per
     return out

@@ -91,6 +91,8 @@ class RowBrief:
     ablation: dict[str, float] | None = None
     #: The device the engine ran on (``engine.device``, e.g. "cpu", "cuda:0"), or None when not recorded.
     device: str | None = None
+    #: The repeat's sample seed (``Row.sample_seed``): rows of one repeat that share it are paired samples.
+    sample_seed: int | None = None
 
     @property
     def identity(self) -> tuple:
@@ -180,4 +182,5 @@ def brief_of(row: Row, fetch: Callable[[], str | dict[str, Any]] | None = None) 
         fetch=fetch or row.to_json_dict,
         ablation=dict(row.ablation) if row.ablation else None,
         device=device if isinstance(device := row.engine.get("device"), str) else None,
+        sample_seed=row.sample_seed,
     )

@@ -5,24 +5,30 @@ verdict gate is asked again of the repeats' Student-t 95 % intervals (``aggregat
 
 - ``PASS`` when the interval clears the threshold (every value in it passes);
 - ``FAIL`` when it lies wholly on the wrong side (every value in it fails);
-- ``INCONCLUSIVE`` otherwise: the interval straddles the threshold, there is a single repeat (no interval), or
-  the mean-based gate could not be evaluated at all.
+- ``INCONCLUSIVE`` otherwise: the interval straddles the threshold, there is a single repeat (no interval), the
+  repeats hold one value (a zero-width interval from n ≥ 2 is no evidence: "no spread across repeats"), or the
+  mean-based gate could not be evaluated at all.
 
-A gate that compares two configurations (speedup, ordering, BM1's router against verify time) compares their
-intervals: it passes when they are apart on the right side and fails when they are apart on the wrong side.
-Non-overlap of two 95 % intervals is stricter than a 95 % test of the difference, so PASS and FAIL here are
-conservative. A stored hide inequality that disagrees with its own terms fails here as on the means (the row is
-invalid, whatever the spread).
+A gate that compares two quantities (speedup, ordering, BM1's router against verify time) asks the 95 % interval
+of their difference *paired by repeat*: the configurations of one repeat saw the same sample (``Row.sample_seed``),
+so the per-repeat differences cancel what the sample contributes and the interval is tighter, and still valid.
+Where the rows cannot be paired (repeats or sample seeds that differ, fewer than two pairs) it compares the two
+intervals instead: apart on the right side passes, apart on the wrong side fails (stricter than a test of the
+difference, so conservative). A stored hide inequality that disagrees with its own terms fails here as on the
+means (the row is invalid, whatever the spread).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-from pd_dflash.report.aggregate import Group, Matrix
+from pd_dflash.baselines import BASE, CANDIDATE, ordering_step_loose
+from pd_dflash.report.aggregate import Group, Matrix, scaled_moments, summary_stats
+from pd_dflash.report.brief import NUMERIC_COLUMNS
 from pd_dflash.report.gates import DISABLED, NOT_EVALUATED, TOKENS, VERDICT_GATES
 from pd_dflash.spec import Gates
 
@@ -31,7 +37,8 @@ PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 
 @dataclass(frozen=True)
 class Interval:
-    """A mean's 95 % interval, or why there is none (``low``/``high`` None)."""
+    """A mean's 95 % interval (``why``: how it was formed, e.g. paired by repeat), or why there is none
+    (``low``/``high`` None)."""
 
     low: float | None
     high: float | None
@@ -46,9 +53,60 @@ def interval(matrix: Matrix, key: str, baseline: str, column: str) -> Interval:
     stats = matrix.stats.get((key, baseline), {}).get(column)
     if stats is None:
         return Interval(None, None, f"{baseline} {column} not measured")
+    if stats.get("no_interval"):
+        return Interval(None, None, f"{baseline} {column}: {stats['no_interval']}")
     if stats["ci95_low"] is None:
         return Interval(None, None, f"{baseline} has {stats['n']} repeat (no interval)")
+    if stats.get("distinct") == 1 or stats["std"] == 0:
+        return Interval(None, None, f"{baseline} {column}: {_flat(stats['n'], stats['mean'])}")
     return Interval(stats["ci95_low"], stats["ci95_high"])
+
+
+def _flat(n: int, value: float) -> str:
+    return f"no spread across repeats ({n} repeats, all {value:.4g})"
+
+
+def _per_repeat(group: Group, baseline: str, column: str) -> dict[int, tuple[float, int | None]]:
+    """repeat -> (value, sample seed) of a baseline's measured repeats that carry ``column``."""
+    i = NUMERIC_COLUMNS.index(column)
+    return {
+        p.row.repeat: (p.row.numbers[i], p.row.sample_seed)
+        for p in group.by_baseline.get(baseline, [])
+        if p.measured and p.row.numbers[i] is not None
+    }
+
+
+def paired(
+    group: Group, a: tuple[str, str], b: tuple[str, str], k: float = 1.0, coverage: float = 0.95
+) -> Interval | None:
+    """The 95 % interval (``coverage``: an adaptive look's, ``Matrix.coverage``) of the mean of ``a − k·b`` over
+    the repeats both hold (each side ``(baseline, column)``), or None when they cannot be paired: other repeats,
+    a sample seed that differs, < 2 pairs."""
+    xs, ys = _per_repeat(group, *a), _per_repeat(group, *b)
+    if set(xs) != set(ys) or len(xs) < 2 or any(xs[r][1] != ys[r][1] for r in xs):
+        return None
+    diffs = [xs[r][0] - k * ys[r][0] for r in sorted(xs)]
+    if not all(math.isfinite(d) for d in diffs):
+        return Interval(None, None, "a paired difference exceeds the float range")
+    if len(set(diffs)) == 1:
+        return Interval(None, None, f"paired difference: {_flat(len(diffs), diffs[0])}")
+    mean, std = scaled_moments(diffs)
+    stats = summary_stats(mean, std, len(diffs), lower=None, coverage=coverage)
+    if stats["ci95_low"] is None:
+        return Interval(None, None, f"paired difference: {stats.get('no_interval', 'no interval')}")
+    return Interval(stats["ci95_low"], stats["ci95_high"], f"paired by repeat, n={len(diffs)}")
+
+
+def _difference(text: str, d: Interval, *, strict: bool) -> dict:
+    """A paired difference that must be > 0 (``strict``) or ≥ 0: PASS / FAIL / INCONCLUSIVE on its interval."""
+    if not d.known:
+        return _result(INCONCLUSIVE, f"{text}: {d.why}")
+    about = f"{text}, {d.why}: 95% interval {_fmt(d)}"
+    if (d.low > 0) if strict else (d.low >= 0):
+        return _result(PASS, f"{about} {'>' if strict else '>='} 0: holds")
+    if (d.high <= 0) if strict else (d.high < 0):
+        return _result(FAIL, f"{about} {'<=' if strict else '<'} 0: fails")
+    return _result(INCONCLUSIVE, f"{about} straddles 0")
 
 
 def _result(status: str, summary: str = "") -> dict[str, str]:
@@ -101,40 +159,45 @@ def _below(left: str, a: Interval, right: str, b: Interval, *, loose: bool = Fal
 
 def _bm1(matrix: Matrix, group: Group, mean: dict, gates: Gates, detail: dict) -> dict:
     key = group.key
-    parts = [
-        _below(
-            f"{b} t_router",
+    parts = []
+    for b in detail.get("bm1", {}):
+        d = paired(group, (b, "t_verify_seconds"), (b, "t_router_seconds"), coverage=matrix.coverage)
+        if d is not None:
+            parts.append(_difference(f"{b} t_verify - t_router", d, strict=True))
+            continue
+        router, verify = (
             interval(matrix, key, b, "t_router_seconds"),
-            "t_verify",
             interval(matrix, key, b, "t_verify_seconds"),
         )
-        for b in detail.get("bm1", {})
-    ]
+        parts.append(_below(f"{b} t_router", router, "t_verify", verify))
     return _combine(parts) if parts else _result(INCONCLUSIVE, mean["summary"])
 
 
 def _hide(matrix: Matrix, group: Group, mean: dict, gates: Gates, detail: dict) -> dict:
     if any(p.row.hide_mismatch for ps in group.by_baseline.values() for p in ps):
         return _result(FAIL, mean["summary"])
-    margin = interval(matrix, group.key, "OURS", "hide_inequality.margin_seconds")
-    return _threshold("OURS hide margin (window - fetch, s)", margin, at_least=0.0)
+    margin = interval(matrix, group.key, CANDIDATE, "hide_inequality.margin_seconds")
+    return _threshold(f"{CANDIDATE} hide margin (window - fetch, s)", margin, at_least=0.0)
 
 
 def _speedup(matrix: Matrix, group: Group, mean: dict, gates: Gates, detail: dict) -> dict:
-    b0 = interval(matrix, group.key, "B0", TOKENS)
+    b0 = interval(matrix, group.key, BASE, TOKENS)
     k = gates.min_speedup_over_b0
-    parts = [
-        _at_least_times(b, interval(matrix, group.key, b, TOKENS), b0, k)
-        for b in mean.get("per_baseline", {})
-    ]
-    return _combine(parts) if parts else _result(INCONCLUSIVE, "no configuration besides B0")
+    parts = []
+    for b in mean.get("per_baseline", {}):
+        d = paired(group, (b, TOKENS), (BASE, TOKENS), k, coverage=matrix.coverage)
+        if d is not None:
+            parts.append(_difference(f"{b} - {k:g} x {BASE} tokens/s", d, strict=False))
+        else:
+            parts.append(_at_least_times(b, interval(matrix, group.key, b, TOKENS), b0, k))
+    return _combine(parts) if parts else _result(INCONCLUSIVE, f"no configuration besides {BASE}")
 
 
 def _at_least_times(name: str, x: Interval, b0: Interval, k: float) -> dict:
     """``x ≥ k·b0`` on intervals (the speedup gate)."""
     if not x.known or not b0.known:
         return _result(INCONCLUSIVE, x.why or b0.why)
-    text = f"{name} tokens/s {_fmt(x)} vs {k:g} x B0 {_fmt(b0, k)}"
+    text = f"{name} tokens/s {_fmt(x)} vs {k:g} x {BASE} {_fmt(b0, k)}"
     if x.low >= k * b0.high:
         return _result(PASS, f"{text}: speedup holds")
     if x.high < k * b0.low:
@@ -143,27 +206,26 @@ def _at_least_times(name: str, x: Interval, b0: Interval, k: float) -> dict:
 
 
 def _coverage(matrix: Matrix, group: Group, mean: dict, gates: Gates, detail: dict) -> dict:
-    i = interval(matrix, group.key, "OURS", "route_ahead_prefetch_coverage")
-    return _threshold("OURS coverage", i, at_least=gates.min_coverage)
+    i = interval(matrix, group.key, CANDIDATE, "route_ahead_prefetch_coverage")
+    return _threshold(f"{CANDIDATE} coverage", i, at_least=gates.min_coverage)
 
 
 def _waste(matrix: Matrix, group: Group, mean: dict, gates: Gates, detail: dict) -> dict:
-    i = interval(matrix, group.key, "OURS", "route_ahead.waste_ratio")
-    return _threshold("OURS waste ratio", i, at_most=gates.max_waste_ratio)
+    i = interval(matrix, group.key, CANDIDATE, "route_ahead.waste_ratio")
+    return _threshold(f"{CANDIDATE} waste ratio", i, at_most=gates.max_waste_ratio)
 
 
 def _ordering(matrix: Matrix, group: Group, mean: dict, gates: Gates, detail: dict) -> dict:
     chain = list(mean.get("tokens_per_second", {}))
-    parts = [
-        _below(
-            f"{left} tokens/s",
-            interval(matrix, group.key, left, TOKENS),
-            right,
-            interval(matrix, group.key, right, TOKENS),
-            loose=left == "OURS" and right == "B3",
-        )
-        for left, right in pairwise(chain)
-    ]
+    parts = []
+    for left, right in pairwise(chain):
+        loose = ordering_step_loose(left, right)
+        d = paired(group, (right, TOKENS), (left, TOKENS), coverage=matrix.coverage)
+        if d is not None:
+            parts.append(_difference(f"{right} - {left} tokens/s", d, strict=not loose))
+            continue
+        a, b = interval(matrix, group.key, left, TOKENS), interval(matrix, group.key, right, TOKENS)
+        parts.append(_below(f"{left} tokens/s", a, right, b, loose=loose))
     return _combine(parts) if parts else _result(INCONCLUSIVE, mean["summary"])
 
 

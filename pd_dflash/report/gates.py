@@ -6,12 +6,13 @@ Every gate answers ``pass``, ``fail``, ``not evaluated`` (an input is missing: n
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
 from pd_dflash.ablation import ablation_settings, group_model
-from pd_dflash.baselines import GATED, ORDER
+from pd_dflash.baselines import BASE, CANDIDATE, GATED, ORDER, ORDERING_CHAIN, ordering_step_loose
 from pd_dflash.costmodel import bm1_summary, evaluate_hide_inequality
 from pd_dflash.report.aggregate import Group, Matrix, Placed, group_key
 from pd_dflash.report.brief import HIDE_TERMS
@@ -30,8 +31,6 @@ VERDICT_GATES: tuple[str, ...] = (
     "ordering",
 )
 GATES: tuple[str, ...] = ("completeness", *VERDICT_GATES)
-#: The design's expected ordering in mean tokens/s: B0 < B1 < OURS ≤ B3.
-ORDERING_CHAIN: tuple[str, ...] = ("B0", "B1", "OURS", "B3")
 TOKENS = "output_tokens_per_second"
 
 
@@ -167,7 +166,10 @@ def hide_on_means(matrix: Matrix, key: str, baseline: str) -> dict[str, Any] | N
     terms = {t: matrix.mean(key, baseline, f"hide_inequality.{t}") for t in HIDE_TERMS}
     if any(v is None for v in terms.values()) or not terms["measured_h2d_bytes_per_second"]:
         return None
-    return evaluate_hide_inequality(**terms).model_dump()
+    try:
+        return evaluate_hide_inequality(**terms).model_dump()
+    except ValueError:  # a fetch time beyond the float range (finite means near it)
+        return None
 
 
 def bm1_on_means(matrix: Matrix, key: str, baseline: str) -> dict[str, Any] | None:
@@ -175,7 +177,10 @@ def bm1_on_means(matrix: Matrix, key: str, baseline: str) -> dict[str, Any] | No
     verify = matrix.mean(key, baseline, "t_verify_seconds")
     if router is None or verify is None or verify <= 0:
         return None
-    return bm1_summary(router, verify)
+    summary = bm1_summary(router, verify)
+    if not math.isfinite(summary["bm1_router_to_verify_ratio"]):  # beyond the float range: not written
+        summary["bm1_router_to_verify_ratio"] = None
+    return summary
 
 
 def _bm1(matrix: Matrix, group: Group, expect: Expectations) -> tuple[dict, dict]:
@@ -189,13 +194,13 @@ def _bm1(matrix: Matrix, group: Group, expect: Expectations) -> tuple[dict, dict
         elif matrix.mean(key, b, "t_router_seconds") is not None:
             notes.append(f"{b}: t_verify_seconds missing or 0")
     fails = [
-        f"{b} t_router/t_verify {_fmt(s['bm1_router_to_verify_ratio'])} >= 1"
+        f"{b} t_router/t_verify {_fmt(s['bm1_router_to_verify_ratio'] or math.inf)} >= 1"
         for b, s in per.items()
         if not s["bm1_pass"]
     ]
     if fails:
         return _gate(FAIL, "; ".join(fails)), per
-    required = "OURS" if "OURS" in expect.baselines or "OURS" in group.by_baseline else None
+    required = CANDIDATE if CANDIDATE in expect.baselines or CANDIDATE in group.by_baseline else None
     if required and required not in per:
         why = "; ".join(notes) or f"{required} rows carry no t_router_seconds/t_verify_seconds"
         return _gate(NOT_EVALUATED, why), per
@@ -224,18 +229,21 @@ def _hide(matrix: Matrix, group: Group, expect: Expectations) -> dict[str, Any]:
             "stored hide_inequality disagrees with its terms: " + "; ".join(mismatches),
             per_baseline=info,
         )
-    if "OURS" not in expect.baselines and "OURS" not in group.by_baseline:
-        return _gate(NOT_EVALUATED, "no OURS rows", per_baseline=info)
-    ours = _measured(group, "OURS")
+    if CANDIDATE not in expect.baselines and CANDIDATE not in group.by_baseline:
+        return _gate(NOT_EVALUATED, f"no {CANDIDATE} rows", per_baseline=info)
+    ours = _measured(group, CANDIDATE)
     if not ours:
-        return _gate(NOT_EVALUATED, "OURS not measured", per_baseline=info)
+        return _gate(NOT_EVALUATED, f"{CANDIDATE} not measured", per_baseline=info)
     if any(p.row.hide_hidden is None for p in ours):
-        return _gate(NOT_EVALUATED, "OURS rows carry no hide_inequality terms", per_baseline=info)
-    on_means = info["OURS"]["on_means"]
+        return _gate(NOT_EVALUATED, f"{CANDIDATE} rows carry no hide_inequality terms", per_baseline=info)
+    on_means = info[CANDIDATE]["on_means"]
+    if on_means is None:
+        why = f"{CANDIDATE}'s mean terms give a fetch time beyond the float range"
+        return _gate(NOT_EVALUATED, why, per_baseline=info)
     if on_means["hidden"]:
         return _gate(PASS, "", per_baseline=info)
     text = (
-        f"OURS fetch {_fmt(on_means['fetch_seconds'])} s > window {_fmt(on_means['hide_window_seconds'])} s "
+        f"{CANDIDATE} fetch {_fmt(on_means['fetch_seconds'])} s > window {_fmt(on_means['hide_window_seconds'])} s "
         f"(exposed by {_fmt(-on_means['margin_seconds'] * 1000)} ms)"
     )
     return _gate(FAIL, text, per_baseline=info)
@@ -246,41 +254,51 @@ def _speedup(matrix: Matrix, group: Group, expect: Expectations, gates: Gates, s
     configs = [
         b
         for b in GATED
-        if b != "B0" and b not in skipped and (b in expect.baselines or b in group.by_baseline)
+        if b != BASE and b not in skipped and (b in expect.baselines or b in group.by_baseline)
     ]
-    b0 = matrix.mean(key, "B0", TOKENS)
+    b0 = matrix.mean(key, BASE, TOKENS)
     if b0 is None or b0 <= 0:
-        why = "B0 tokens/s not measured" if b0 is None else "B0 tokens/s is 0"
+        why = f"{BASE} tokens/s not measured" if b0 is None else f"{BASE} tokens/s is 0"
         return _gate(NOT_EVALUATED, why, per_baseline={})
-    per = {}
+    per: dict[str, float | None] = {}
+    beyond = []  # a ratio beyond the float range: above any threshold, and not written (JSON has no inf)
     for b in configs:
         x = matrix.mean(key, b, TOKENS)
         per[b] = None if x is None else x / b0
+        if per[b] is not None and not math.isfinite(per[b]):
+            beyond.append(b)
+            per[b] = None
     low = [
         f"{b} {_fmt(s)}x < {_fmt(gates.min_speedup_over_b0)}x"
         for b, s in per.items()
         if s is not None and s < gates.min_speedup_over_b0
     ]
     if low:
-        return _gate(FAIL, "speedup over B0: " + ", ".join(low), per_baseline=per)
-    absent = [b for b, s in per.items() if s is None]
+        return _gate(FAIL, f"speedup over {BASE}: " + ", ".join(low), per_baseline=per)
+    absent = [b for b, s in per.items() if s is None and b not in beyond]
     if absent:
         return _gate(NOT_EVALUATED, f"tokens/s not measured for {', '.join(absent)}", per_baseline=per)
-    return _gate(PASS, "", per_baseline=per)
+    note = f"speedup of {', '.join(beyond)} over {BASE} beyond the float range" if beyond else ""
+    return _gate(PASS, note, per_baseline=per)
+
+
+def _no_candidate(group: Group) -> str:
+    return f"{CANDIDATE} not measured" if CANDIDATE in group.by_baseline else f"no {CANDIDATE} rows"
 
 
 def _coverage(matrix: Matrix, group: Group, expect: Expectations, gates: Gates) -> dict:
-    ours = _measured(group, "OURS")
+    ours = _measured(group, CANDIDATE)
     if not ours:
-        return _gate(NOT_EVALUATED, "OURS not measured" if "OURS" in group.by_baseline else "no OURS rows")
+        return _gate(NOT_EVALUATED, _no_candidate(group))
     vacuous = [p.row.repeat for p in ours if (p.row.route_ahead or {}).get("actual_experts") == 0]
     if vacuous:
         return _gate(
-            NOT_EVALUATED, f"OURS coverage is vacuous (no routed experts observed) in repeats {vacuous}"
+            NOT_EVALUATED,
+            f"{CANDIDATE} coverage is vacuous (no routed experts observed) in repeats {vacuous}",
         )
-    stats = matrix.stats.get((group.key, "OURS"), {}).get("route_ahead_prefetch_coverage")
+    stats = matrix.stats.get((group.key, CANDIDATE), {}).get("route_ahead_prefetch_coverage")
     if stats is None:
-        return _gate(NOT_EVALUATED, "OURS route_ahead_prefetch_coverage not measured")
+        return _gate(NOT_EVALUATED, f"{CANDIDATE} route_ahead_prefetch_coverage not measured")
     checked = all(p.row.route_ahead is not None for p in ours)
     detail = {
         "value": stats["mean"],
@@ -289,24 +307,28 @@ def _coverage(matrix: Matrix, group: Group, expect: Expectations, gates: Gates) 
         "vacuity_checked": checked,
     }
     if stats["mean"] < gates.min_coverage:
-        return _gate(FAIL, f"OURS coverage {stats['mean']:.2f} < {gates.min_coverage:.2f}", **detail)
+        return _gate(FAIL, f"{CANDIDATE} coverage {stats['mean']:.2f} < {gates.min_coverage:.2f}", **detail)
     return _gate(PASS, "" if checked else "no route_ahead counters: vacuity not checked", **detail)
 
 
 def _waste(matrix: Matrix, group: Group, gates: Gates) -> dict:
-    ours = _measured(group, "OURS")
+    ours = _measured(group, CANDIDATE)
     if not ours:
-        return _gate(NOT_EVALUATED, "OURS not measured" if "OURS" in group.by_baseline else "no OURS rows")
+        return _gate(NOT_EVALUATED, _no_candidate(group))
     lacking = [p.row.repeat for p in ours if (p.row.route_ahead or {}).get("waste_ratio") is None]
     if lacking:
-        return _gate(NOT_EVALUATED, f"OURS rows carry no route_ahead.waste_ratio (repeats {lacking})")
+        return _gate(NOT_EVALUATED, f"{CANDIDATE} rows carry no route_ahead.waste_ratio (repeats {lacking})")
     vacuous = [p.row.repeat for p in ours if p.row.route_ahead.get("predicted_experts") == 0]
     if vacuous:
-        return _gate(NOT_EVALUATED, f"OURS prefetched nothing (predicted_experts 0) in repeats {vacuous}")
-    stats = matrix.stats[(group.key, "OURS")]["route_ahead.waste_ratio"]
+        return _gate(
+            NOT_EVALUATED, f"{CANDIDATE} prefetched nothing (predicted_experts 0) in repeats {vacuous}"
+        )
+    stats = matrix.stats[(group.key, CANDIDATE)]["route_ahead.waste_ratio"]
     detail = {"value": stats["mean"], "ci95_high": stats["ci95_high"], "n": stats["n"]}
     if stats["mean"] > gates.max_waste_ratio:
-        return _gate(FAIL, f"OURS waste ratio {stats['mean']:.2f} > {gates.max_waste_ratio:.2f}", **detail)
+        return _gate(
+            FAIL, f"{CANDIDATE} waste ratio {stats['mean']:.2f} > {gates.max_waste_ratio:.2f}", **detail
+        )
     return _gate(PASS, "", **detail)
 
 
@@ -314,15 +336,15 @@ def _ordering(matrix: Matrix, group: Group, expect: Expectations, gates: Gates, 
     if not gates.require_ordering:
         return _gate(DISABLED, "require_ordering is false")
     chain = [b for b in ORDERING_CHAIN if b not in skipped]
-    if "OURS" not in expect.baselines and "OURS" not in group.by_baseline:
-        return _gate(NOT_EVALUATED, "no OURS rows")
+    if CANDIDATE not in expect.baselines and CANDIDATE not in group.by_baseline:
+        return _gate(NOT_EVALUATED, f"no {CANDIDATE} rows")
     means = {b: matrix.mean(group.key, b, TOKENS) for b in chain}
     absent = [b for b, v in means.items() if v is None]
     if absent:
         return _gate(NOT_EVALUATED, f"tokens/s not measured for {', '.join(absent)}", tokens_per_second=means)
     broken = []
     for left, right in pairwise(chain):
-        loose = left == "OURS" and right == "B3"
+        loose = ordering_step_loose(left, right)
         ok = means[left] <= means[right] if loose else means[left] < means[right]
         if not ok:
             op = "<=" if loose else "<"

@@ -14,7 +14,7 @@ import re
 import secrets
 from typing import Any, TextIO
 
-from pd_dflash.report.aggregate import Matrix, Placed
+from pd_dflash.report.aggregate import Matrix, Placed, scaled_moments
 
 
 def _merge_cost_terms(repeats: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -28,7 +28,7 @@ def _merge_cost_terms(repeats: list[dict[str, Any]]) -> dict[str, Any] | None:
     merged: dict[str, Any] = {}
     for k, vs in values.items():
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs):
-            mean = sum(vs) / len(vs)
+            mean = scaled_moments(vs)[0]  # never overflows (1.7e308 twice)
             merged[k] = round(mean) if all(type(v) is int for v in vs) else mean
         elif len({str(v) for v in vs}) == 1:
             merged[k] = vs[0]

@@ -7,7 +7,7 @@ import hashlib
 import io
 import re
 
-from pd_dflash.baselines import BY_NAME, ORDER
+from pd_dflash.baselines import BY_NAME, CANDIDATE, ORDER, SPECULATIVE_BASE
 from pd_dflash.report.aggregate import Matrix
 
 TOKENS = "output_tokens_per_second"
@@ -37,8 +37,18 @@ def _series(matrix: Matrix, model: str, column: str):
             if s is None:
                 continue
             half = 0.0 if s["ci95_low"] is None else (s["ci95_high"] - s["ci95_low"]) / 2
-            out.setdefault((b, g.block_size), []).append((g.concurrency, s["mean"], half))
+            if _plottable(s["mean"], half):
+                out.setdefault((b, g.block_size), []).append((g.concurrency, s["mean"], half))
     return {k: sorted(v) for k, v in out.items()}
+
+
+#: matplotlib cannot place ticks on an axis near the float range: larger values are left out of the plots (the
+#: matrices hold them).
+PLOTTABLE = 1e300
+
+
+def _plottable(*values: float) -> bool:
+    return all(abs(v) <= PLOTTABLE for v in values)
 
 
 def _concurrency_axis(ax, concs: list[int]) -> None:
@@ -87,7 +97,7 @@ def _coverage_waste(matrix: Matrix, model: str, blocks: list[int], concs: list[i
         (ax_waste, "route_ahead.waste_ratio", "waste ratio"),
     ):
         series = _series(matrix, model, column)
-        for b, style in (("OURS", "-"), ("B1", ":")):
+        for b, style in ((CANDIDATE, "-"), (SPECULATIVE_BASE, ":")):
             for c in concs:
                 pts = [(bsz, m, h) for bsz in blocks for (cc, m, h) in series.get((b, bsz), []) if cc == c]
                 if pts:
@@ -159,8 +169,8 @@ def ours_over_b1(matrix: Matrix) -> dict[tuple[str, int, int], dict[float, list[
         ablation = placed[0].row.ablation if placed else None
         if not ablation or not {"expert_cache_fraction", "emulated_h2d_gbps"} <= set(ablation):
             continue
-        ours, b1 = matrix.mean(key, "OURS", TOKENS), matrix.mean(key, "B1", TOKENS)
-        if ours is None or not b1:
+        ours, b1 = matrix.mean(key, CANDIDATE, TOKENS), matrix.mean(key, SPECULATIVE_BASE, TOKENS)
+        if ours is None or not b1 or not _plottable(ours / b1):
             continue
         series = out.setdefault((placed[0].row.model, g.block_size, g.concurrency), {})
         series.setdefault(ablation["emulated_h2d_gbps"], []).append(

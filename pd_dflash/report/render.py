@@ -7,7 +7,7 @@ import io
 import json
 from typing import Any
 
-from pd_dflash.baselines import ORDER
+from pd_dflash.baselines import BASE, ORDER
 from pd_dflash.report.aggregate import Matrix
 from pd_dflash.report.basis import PIPELINE_CHECK, basis_text
 from pd_dflash.report.brief import EXTRA_COLUMNS
@@ -58,7 +58,7 @@ def _cell(value: Any) -> str:
 
 
 def speedup(matrix: Matrix, key: str, baseline: str) -> float | None:
-    b0 = matrix.mean(key, "B0", "output_tokens_per_second")
+    b0 = matrix.mean(key, BASE, "output_tokens_per_second")
     x = matrix.mean(key, baseline, "output_tokens_per_second")
     return None if b0 is None or x is None or b0 <= 0 else x / b0
 

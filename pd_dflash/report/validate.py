@@ -10,7 +10,7 @@ from typing import Any
 from pd_dflash.errors import InputError, excerpt
 from pd_dflash.safe_load import MAX_DOCUMENT_BYTES, decode_utf8, load_json, read_bounded
 from pd_dflash.schema import Status, check_number
-from pd_dflash.upstream import REQUIRED_METRICS, UPSTREAM_BASELINES
+from pd_dflash.upstream import CAPACITY_EXEMPT, REQUIRED_METRICS, UPSTREAM_BASELINES
 
 
 def validate_group(rows_by_baseline: dict[str, Any]) -> list[str]:
@@ -27,7 +27,7 @@ def validate_group(rows_by_baseline: dict[str, Any]) -> list[str]:
         if not isinstance(row, dict):
             errors.append(f"{b} must be a row object; got {type(row).__name__}")
             continue
-        if b == "B3" and row.get("status") == Status.UNAVAILABLE_CAPACITY.value:
+        if b == CAPACITY_EXEMPT and row.get("status") == Status.UNAVAILABLE_CAPACITY.value:
             continue
         for m in REQUIRED_METRICS:
             if m not in row:

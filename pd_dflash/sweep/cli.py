@@ -6,6 +6,7 @@ import argparse
 import math
 import sys
 
+from pd_dflash.cli import LIMITS
 from pd_dflash.engine.registry import load_spec_here
 from pd_dflash.errors import InputError
 from pd_dflash.sweep.resume import Mode
@@ -14,14 +15,16 @@ from pd_dflash.sweep.resume import Mode
 def options_from_args(args: argparse.Namespace):
     from pd_dflash.sweep.options import RunOptions
 
-    if args.max_attempts < 1:
-        raise InputError(f"must be at least 1, got {args.max_attempts}", where="--max-attempts")
-    timeout = args.cell_timeout
-    if timeout is not None and (not math.isfinite(timeout) or timeout <= 0):
-        raise InputError(f"must be a positive number of seconds, got {timeout}", where="--cell-timeout")
-    connect = args.connect_timeout
-    if not math.isfinite(connect) or connect <= 0:
-        raise InputError(f"must be a positive number of seconds, got {connect}", where="--connect-timeout")
+    # The numbers were bounded at parse (``pd_dflash.cli.LIMITS``); a Namespace built by hand is checked again.
+    for flag, value in (
+        ("--max-attempts", args.max_attempts),
+        ("--cell-timeout", args.cell_timeout),
+        ("--connect-timeout", args.connect_timeout),
+    ):
+        low, high = LIMITS[flag]
+        if value is not None and not (math.isfinite(value) and low <= value <= high):
+            raise InputError(f"must be between {low:g} and {high:g}, got {value}", where=flag)
+    timeout, connect = args.cell_timeout, args.connect_timeout
     mode = Mode.RESTART if args.restart else Mode.RETRY_ERRORS if args.retry_errors else Mode.RESUME
     options = RunOptions(out_dir=args.out, mode=mode, max_attempts=args.max_attempts)
     options.connect_timeout_s = connect
@@ -43,6 +46,6 @@ def run_main(args: argparse.Namespace) -> int:
         print(
             f"pd-dflash run: error: {outcome.stopped}; the sweep stopped (rerun to resume)", file=sys.stderr
         )
-    elif outcome.outcome == "interrupted":
+    elif outcome.outcome == "stopped":
         print(f"pd-dflash run: stopped by {outcome.stopped}", file=sys.stderr)
     return outcome.exit_code

@@ -5,9 +5,12 @@
 - **Local mode**: a real single-node Ray cluster with fake GPUs (Ray's own ``local_mode`` no longer exists), bound
   to the loopback interface: Ray listens on every interface unless it believes it is not a cluster, which
   ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` tells it (GCS, raylet, workers and agents then bind to 127.0.0.1).
-- **Stops**: SIGINT, SIGTERM and SIGHUP (an ssh session that drops) raise ``SweepInterrupted`` in the driver,
-  which stops the runners and writes what is stored (exit 130 / 143 / 129); a second signal while it does so is
+- **Stops**: SIGINT, SIGTERM and SIGHUP (an ssh session that drops) set a stop request (``stops.py``; the
+  handler never raises, so no signal surfaces from inside a Ray call); the driver then stops the runners and
+  writes what is stored (exit 130 / 143 / 129, outcome ``stopped``); a second signal while it does so is
   ignored. A driver started under ``nohup`` (SIGHUP ignored) keeps ignoring the hangup and finishes the sweep.
+  A signal during ``ray.init`` (before the request is installed: Ray puts its own SIGTERM handler in place
+  there) stops the run before anything is written.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import contextlib
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +27,7 @@ from typing import Any
 import ray
 from ray._private import ray_constants
 
+from pd_dflash.errors import InputError
 from pd_dflash.spec import SweepSpec
 from pd_dflash.spec_inputs import check_local_start
 from pd_dflash.sweep import preflight
@@ -32,12 +35,13 @@ from pd_dflash.sweep.connect import Address, bounded, parse_address, reach
 from pd_dflash.sweep.driver import SweepDriver
 from pd_dflash.sweep.lost import LocalWatch, lost_outcome
 from pd_dflash.sweep.options import ClusterLost, Outcome, RunOptions, SweepInterrupted
+from pd_dflash.sweep.out_names import check_out_names
 from pd_dflash.sweep.resume import check_resumable, probe_writable
 from pd_dflash.sweep.sink import NAMESPACE
+from pd_dflash.sweep.stops import stop_on_signals
 
 #: Ray's switch for "this is a multi-machine cluster"; off, every Ray process binds to the loopback interface.
 CLUSTER_SWITCH_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def local_cluster_args(spec: SweepSpec) -> dict[str, Any]:
@@ -78,73 +82,30 @@ def loopback_only() -> Iterator[None]:
             os.environ[CLUSTER_SWITCH_ENV] = saved_env
 
 
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """SIGINT/SIGTERM raise ``SweepInterrupted`` once; later ones are ignored while the driver cleans up."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signals are delivered to the main thread only; a driver in a thread is stopped by its caller
-        return
-
-    def ignore(signum: int, _frame: Any) -> None:
-        print(f"pd-dflash run: {signal.Signals(signum).name} again: already stopping", file=sys.stderr)
-
-    def interrupt(signum: int, _frame: Any) -> None:
-        for s in handled:
-            signal.signal(s, ignore)
-        if signum == signal.SIGHUP:
-            _detach_from_lost_terminal()
-        raise SweepInterrupted(signum)
-
-    # nohup (SIGHUP ignored when the driver starts) asks to outlive the terminal: the sweep then finishes.
-    handled = [s for s in STOP_SIGNALS if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN)]
-    previous = {s: signal.signal(s, interrupt) for s in handled}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-def _detach_from_lost_terminal() -> None:
-    """After a hangup the terminal is gone and writing to it fails (EIO): point stdout/stderr that were a
-    terminal at /dev/null, so the stop goes on as after SIGTERM (its lines are in sweep.json and events.jsonl)."""
-    for fd in (1, 2):
-        with contextlib.suppress(OSError):
-            if os.isatty(fd):
-                null = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(null, fd)
-                os.close(null)
-
-
 def run_sweep(spec: SweepSpec, options: RunOptions, *, address: str | None = None) -> Outcome:
     """Run a sweep: join ``address`` (or $RAY_ADDRESS, or an already connected Ray), else start local mode."""
     options.out_dir = os.path.abspath(options.out_dir)
+    _check_encodable(options.out_dir)
     target = None if ray.is_initialized() else cluster_address(address)
     local = not ray.is_initialized() and target is None
     owns_ray = not ray.is_initialized()
     started = time.monotonic()
     with loopback_only() if local else contextlib.nullcontext():
         try:
-            if target is not None:
-                reach(target, options.connect_timeout_s)
-                with bounded(target, options.connect_timeout_s):
-                    ray.init(address=target.text.strip(), namespace=NAMESPACE, log_to_driver=False)
-            elif local:
-                # Local mode: this process is the head box, so OUT can be checked before a cluster is started.
-                probe_writable(Path(options.out_dir))
-                check_resumable(Path(options.out_dir), spec, options.mode)
-                check_local_start(spec)  # a named error, not Ray's ValueError about its memory
-                # address="local": always start our own cluster, never join one another process left running.
-                ray.init(address="local", **local_cluster_args(spec))
+            try:
+                _join_or_start(spec, options, target, local)
+            except (KeyboardInterrupt, SystemExit) as exc:  # a signal before the stop request is installed
+                signum = _signal_of(exc)
+                return _stopped_early(options, SweepInterrupted(signum), time.monotonic() - started)
             watch = LocalWatch(ray._private.worker._global_node) if local else None
-            with stop_on_signals():  # after ray.init, which installs a SIGTERM handler of its own
+            with stop_on_signals() as stop:  # after ray.init, which installs a SIGTERM handler of its own
                 try:
-                    driver = SweepDriver(spec, options, local=local)
+                    driver = SweepDriver(spec, options, local=local, stop=stop)
                     if watch is not None:
                         driver.cluster_lost = watch.lost
                     return driver.run()
-                except SweepInterrupted as stop:  # outside the driver's loop: nothing (more) to write
-                    return _stopped_early(options, stop, time.monotonic() - started)
+                except SweepInterrupted as early:  # before OUT was opened: nothing to write
+                    return _stopped_early(options, early, time.monotonic() - started)
                 except ClusterLost as lost:
                     if watch is not None:
                         watch.stop()  # what is left of it, so the dead collector's lock on OUT is released
@@ -152,6 +113,46 @@ def run_sweep(spec: SweepSpec, options: RunOptions, *, address: str | None = Non
         finally:
             if owns_ray:
                 ray.shutdown()
+
+
+def _join_or_start(spec: SweepSpec, options: RunOptions, target: Address | None, local: bool) -> None:
+    """Join the cluster at ``target`` (bounded by --connect-timeout), or check OUT and start local mode."""
+    if target is not None:
+        reach(target, options.connect_timeout_s)
+        with bounded(target, options.connect_timeout_s):
+            ray.init(address=target.text.strip(), namespace=NAMESPACE, log_to_driver=False)
+    elif local:
+        # Local mode: this process is the head box, so OUT can be checked before a cluster is started.
+        probe_writable(Path(options.out_dir))
+        check_out_names(Path(options.out_dir))  # before anything in OUT is read (store.open again)
+        check_resumable(Path(options.out_dir), spec, options.mode)
+        check_local_start(spec)  # a named error, not Ray's ValueError about its memory
+        # address="local": always start our own cluster, never join one another process left running.
+        ray.init(address="local", **local_cluster_args(spec))
+
+
+def _signal_of(exc: BaseException) -> int:
+    """The signal behind an exit while Ray starts: SIGINT's KeyboardInterrupt, or the ``sys.exit(SIGTERM)``
+    of the handler ``ray.init`` installs; anything else is raised again."""
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(exc, SystemExit) and exc.code == signal.SIGTERM:
+        return signal.SIGTERM
+    raise exc
+
+
+def _check_encodable(out_dir: str) -> None:
+    """OUT as an absolute path must be text Ray can carry: a working directory or --out this locale cannot
+    decode (non-ASCII under LC_ALL=C, PYTHONUTF8=0) is refused naming the encoding, before Ray starts."""
+    try:
+        out_dir.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(
+            f"{os.fsencode(out_dir)!r} is not valid in this locale's filesystem encoding "
+            f"({sys.getfilesystemencoding()}); run under a UTF-8 locale (LC_ALL=C.UTF-8 or PYTHONUTF8=1) or "
+            "choose an ASCII path",
+            where="--out",
+        ) from None
 
 
 def cluster_address(address: str | None) -> Address | None:
@@ -173,6 +174,6 @@ def _stopped_early(options: RunOptions, stop: SweepInterrupted, wall_s: float) -
         loads=0,
         wall_s=wall_s,
         out_of_rotation=[],
-        outcome="interrupted",
+        outcome="stopped",
         stopped=stop.name,
     )

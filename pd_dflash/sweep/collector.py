@@ -61,6 +61,9 @@ class Collector:
         self._matrix_at = time.monotonic()
         self._matrix_interval = MIN_MATRIX_INTERVAL_S
         self.matrix_errors: list[str] = []
+        #: The final matrices' verdict (``final_matrices``), and whether they were written by this process.
+        self.final: dict[str, Any] | None = None
+        self.final_written = False
 
     def _ensure_open(self) -> dict[str, Any]:
         if self.opened is None:
@@ -123,19 +126,28 @@ class Collector:
             cost = self._matrix_at - started
             self._matrix_interval = max(MIN_MATRIX_INTERVAL_S, MATRIX_COST_FACTOR * cost)
 
-    def finish(self, patch: dict[str, Any], plots: bool = True) -> dict[str, Any]:
-        """Write the final matrices, record the run's outcome, release OUT (as far as OUT can be written)."""
+    def final_matrices(self, plots: bool = True) -> None:
+        """Write the final matrices from every row stored (the driver then decides the outcome: ``finish``)."""
         self._ensure_open()
         with contextlib.suppress(StorageError):  # rows.jsonl still the file the rows went to? (store.broken)
             self.store.check_rows_file()
-        outputs = None if self.store.broken else self._write_matrices(plots=plots)
+        self.final = None if self.store.broken else self._write_matrices(plots=plots)
+        self.final_written = True
+
+    def finish(self, patch: dict[str, Any], plots: bool = True) -> dict[str, Any]:
+        """Record the run's outcome and release OUT (as far as OUT can be written); the final matrices first,
+        unless ``final_matrices`` wrote them (a collector restarted in between writes them again)."""
+        self._ensure_open()
+        if not self.final_written:
+            self.final_matrices(plots)
         with contextlib.suppress(StorageError):  # store.broken says why; the driver reports it
             self.store.update_run({**patch, "finished_at_collector": True})
         summary = {
             "counts": self.store.counts(),
-            "outputs": _jsonable(outputs),
+            "outputs": _jsonable(self.final),
             "matrix_errors": list(self.matrix_errors),
             "current_statuses": {k: v.status.value for k, v in self.store.stored().items()},
+            "refused_input": sum(r.counted_refusal for r in self.store.current()),
             "storage_error": self.store.broken,
         }
         self.store.close()

@@ -1,7 +1,7 @@
 """The driver's policy: which runner serves which model and cell, what to do with each event, the summary.
 
 One loop keeps at most ``queue_depth`` calls on each runner: it fills the slots (``_fill``: model affinity,
-stealing and rebalancing from ``scheduler``), waits for the pool's next events (``pool.RunnerPool``), forwards
+stealing and rebalancing from ``placement``), waits for the pool's next events (``pool.RunnerPool``), forwards
 rows to the collector (``sink.Sink``) and hands failures to the health policy (``health.Health``). Starting Ray
 (local mode or a cluster) is ``cluster.run_sweep``'s job.
 """
@@ -41,6 +41,7 @@ from pd_dflash.sweep.preflight import Box
 from pd_dflash.sweep.progress import Progress, format_duration
 from pd_dflash.sweep.resume import Mode, StoredCell, cells_to_run
 from pd_dflash.sweep.sink import Sink, cause_line
+from pd_dflash.sweep.stops import StopRequest
 from pd_dflash.sweep.store import utc_now
 from pd_dflash.sweep.waves import Waves
 
@@ -50,30 +51,35 @@ SHOW_EVERY_S = 0.2
 
 class SweepDriver:
     def __init__(
-        self, spec: SweepSpec, options: RunOptions, progress: Progress | None = None, *, local: bool = False
+        self,
+        spec: SweepSpec,
+        options: RunOptions,
+        progress: Progress | None = None,
+        *,
+        local: bool = False,
+        stop: StopRequest | None = None,
     ) -> None:
         self.spec = spec
+        #: Set by the signal handler (``stops.stop_on_signals``); looked at between Ray calls, never inside one.
+        self.stop = stop or StopRequest()
         #: Local mode (a loopback-only cluster this process started) or a cluster run (auth is checked).
         self.local = local
         self.opts = options
         self.cells = expand(spec)
         self.estimator = Estimator(spec)
-        self.scheduler = Placement(spec.engine, self.estimator)
+        self.placement = Placement(spec.engine, self.estimator)
         self.progress = progress or Progress(len(self.cells), tty=options.progress)
         self.boxes: list[Box] = []
         self.pool = RunnerPool(spec)
         self.sink = Sink(spec, self.estimator, self._event)
-        self.health = Health(spec, options, self.boxes, self.pool, self.scheduler, self.sink, self._event)
+        self.health = Health(spec, options, self.boxes, self.pool, self.placement, self.sink, self._event)
         self.todo = 0
-        #: Cells stored before this run that it does not measure again (the progress line counts them done).
-        self.done_before = 0
-        #: Adaptive repeats: which repeats each group still needs (None for a fixed repeat count).
-        self.waves = Waves(spec, self.cells) if spec.adaptive else None
-        self._landed: list[Row] = []
-        self._stored: dict[str, StoredCell] = {}
+        self.done_before = 0  # cells stored before this run that it does not measure again
+        self.waves = Waves(spec, self.cells) if spec.adaptive else None  # adaptive repeats (None: fixed)
         #: The engine's traits as preflight found them on a box (the driver never imports the engine).
         self.traits: EngineTraits | None = None
         self._shown_at = 0.0
+        self._started = time.monotonic()
         #: What killed the cluster under the sweep, or None while it lives (``lost.LocalWatch`` in local mode).
         self.cluster_lost: Callable[[], str | None] = lambda: None
 
@@ -93,7 +99,7 @@ class SweepDriver:
             self.opts.out_dir, self.spec, self.opts.mode, timeout_s=self.opts.preflight_timeout_s
         )
         self.traits = preflight.check_engine(self.spec, self.boxes, timeout_s=self.opts.preflight_timeout_s)
-        self.scheduler.traits = self.traits
+        self.placement.traits = self.traits
         fits = ", ".join(f"{b.label}: {b.capacity}" for b in self.boxes if b.capacity)
         self._event(
             f"preflight ok: {sum(b.capacity for b in self.boxes)} runners fit "
@@ -101,13 +107,11 @@ class SweepDriver:
         )
 
     def _plan(self, stored: dict[str, StoredCell]) -> None:
-        self._stored = stored
-        cells = self.cells
+        mode = self.opts.mode
+        todo = cells_to_run(self.cells, stored, mode)
         if self.waves is not None:  # the repeats every group needs now (looks replayed from the stored rows)
-            rows = self.sink.current_rows(self.opts.preflight_timeout_s)
-            cells = self.waves.start(rows, retry_errors=self.opts.mode == Mode.RETRY_ERRORS)
-            self.sink.on_store = self._landed.append
-        todo = cells_to_run(cells, stored, self.opts.mode)
+            todo = self.waves.start(self.sink.current_rows(self.opts.preflight_timeout_s), stored, mode)
+            self.sink.on_store = self.waves.arrived.append
         retried = sum(1 for c, _ in todo if c.cell_id in stored)
         skipped_failed = sum(
             1 for s in stored.values() if not s.final and self.opts.mode != Mode.RETRY_ERRORS
@@ -131,25 +135,30 @@ class SweepDriver:
         """Queue a cell for a runner, or store its REFUSED row when the engine will not run it (True)."""
         reason = registry.blocked_reason_for(self.traits, self.spec.engine, cell)
         if not reason:
-            self.scheduler.add(Task(cell=cell, attempt=attempt))
+            self.placement.add(Task(cell=cell, attempt=attempt))
             return False
         row = Row.without_metrics(
-            cell, Status.REFUSED, reason, attempt=attempt, sweep=self.spec.name, finished_at=utc_now()
+            cell,
+            Status.REFUSED,
+            reason,
+            refusal="documented",  # the engine's declared scope (registry), not counted
+            attempt=attempt,
+            sweep=self.spec.name,
+            finished_at=utc_now(),
         )
         self.sink.store(row, None)
         return True
 
     def _next_waves(self) -> None:
-        """Adaptive repeats: hand each stored row to the waves and queue the repeats it asks for."""
-        if self.waves is None:
-            return
-        while self._landed:
-            for cell, attempt in cells_to_run(
-                self.waves.landed(self._landed.pop(0)), self._stored, self.opts.mode
-            ):
+        """Adaptive repeats: queue the repeats that the rows stored since ask for."""
+        if self.waves is not None:
+            for cell, attempt in self.waves.due():
                 self.todo += 1
                 self._queue(cell, attempt)
-        self.scheduler.awaiting = self.waves.awaiting(lambda c: load_key(self.spec.engine, c, self.traits))
+            self.progress.total = self.done_before + self.todo  # the cells asked for so far
+            self.placement.awaiting = self.waves.awaiting(
+                lambda c: load_key(self.spec.engine, c, self.traits)
+            )
 
     # -- which runner does what -----------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -160,13 +169,13 @@ class SweepDriver:
 
     def _fill_slot(self, slot: Slot) -> None:
         if slot.state is SlotState.EMPTY:
-            key = self.scheduler.choose_key(self.pool.holders(slot))
+            key = self.placement.choose_key(self.pool.holders(slot))
             if key is not None:
                 self._start(slot, key)
             return
         holders = self.pool.holders(slot)
         if slot.state is SlotState.IDLE:
-            key = self.scheduler.choose_key(holders, slot.key, rebalance=not slot.rebalanced)
+            key = self.placement.choose_key(holders, slot.key, rebalance=not slot.rebalanced)
             if key is None:
                 return
             if key != slot.key:
@@ -176,19 +185,19 @@ class SweepDriver:
             return
         if slot.calls and not self._may_queue_behind(slot, holders):
             return
-        task = self.scheduler.take(slot.key)
+        task = self.placement.take(slot.key)
         if task is not None:
             self.pool.submit(slot, task)
 
     def _may_queue_behind(self, slot: Slot, holders: dict) -> bool:
         """Queue a cell behind the running one only while the key has plenty left (at the tail an idle runner
         must be able to take it instead) and the runner is not about to move to another key."""
-        if self.scheduler.pending_count(slot.key) < 2 * (holders.get(slot.key, 0) + 1):
+        if self.placement.pending_count(slot.key) < 2 * (holders.get(slot.key, 0) + 1):
             return False
-        return slot.rebalanced or not self.scheduler.rebalance_target(holders, slot.key)
+        return slot.rebalanced or not self.placement.rebalance_target(holders, slot.key)
 
     def _switch(self, slot: Slot, key: Any) -> None:
-        own_left = self.scheduler.pending_count(slot.key)
+        own_left = self.placement.pending_count(slot.key)
         if own_left:
             slot.rebalanced = True
         why = f"rebalancing ({own_left} cells of it left)" if own_left else "its model is done"
@@ -241,6 +250,7 @@ class SweepDriver:
     def _loop(self) -> None:
         """Run until every cell has a row, no box is left, or the collector cannot store any more."""
         while not self.sink.storage_error:
+            self.stop.check()  # every pass: the waits below return within poll_s
             lost = self.cluster_lost()
             if lost:
                 raise ClusterLost(lost)
@@ -248,7 +258,7 @@ class SweepDriver:
             self._next_waves()
             self._fill()
             if not self.pool.in_flight():
-                if not self.scheduler.has_pending() or not any(s.usable for s in self.pool.slots):
+                if not self.placement.has_pending() or not any(s.usable for s in self.pool.slots):
                     return
                 # Every usable runner is idle by choice and nothing runs: cannot happen unless all holders
                 # vanished at once; the next pass (after a refresh) reassigns. Avoid a busy spin.
@@ -271,7 +281,7 @@ class SweepDriver:
             return None
         active = sum(1 for s in self.pool.slots if s.holds_model and s.usable) or 1
         running = sum(self.estimator.estimate(c.task.cell) for s in self.pool.slots for c in s.calls)
-        return (self.scheduler.total_pending_work() + running / 2) / active
+        return (self.placement.total_pending_work() + running / 2) / active
 
     def _show(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -279,8 +289,6 @@ class SweepDriver:
             return
         self._shown_at = now
         running = Counter(s.box.label for s in self.pool.slots if s.calls)
-        if self.waves is not None:  # the cells asked for so far (a wave adds to them)
-            self.progress.total = self.done_before + self.todo
         self.progress.update(
             done=self.done_before + self.sink.finished,
             failed=self.sink.failed,
@@ -291,7 +299,7 @@ class SweepDriver:
 
     def run(self) -> Outcome:
         """Preflight, plan, the loop, the summary. Raises ``ClusterLost`` when the cluster dies under it."""
-        started = time.monotonic()
+        started = self._started = time.monotonic()
         try:
             return self._run(started)
         except ClusterLost as lost:
@@ -309,32 +317,29 @@ class SweepDriver:
 
     def _run(self, started: float) -> Outcome:
         self.preflight()
+        self.stop.check()  # a stop during preflight: nothing was written (cluster.run_sweep says so)
         stored = self.sink.open(self.opts.out_dir, self.opts.mode, self.boxes, self.opts.recorded())
-        stop: SweepInterrupted | None = None
+        self.todo = len(cells_to_run(self.cells, stored, self.opts.mode))  # what a stop now leaves not run
         loop_started = loop_finished = time.time()
         try:
+            self.stop.check()  # from here on a stop is recorded in OUT
             self._plan(stored)
             for box in self.boxes:
                 self.pool.add_box(box)
             self._show(force=True)
             loop_started = time.time()
             self._loop()
-        except SweepInterrupted as exc:
-            stop = exc
+        except SweepInterrupted as exc:  # self.stop holds it: recorded by _finish
             self._event(f"{exc.name} received: stopping the runners and writing what is stored")
-            self.sink.log("interrupted", signal=exc.name)
         finally:
             loop_finished = time.time()
             if self.cluster_lost() is None:  # a dead cluster's runners are gone, their results with them
                 for slot in self.pool.slots:
                     self.health.stop_runner(slot)
             self.progress.close()
-        self.sink.drain(10.0 if stop else 60.0)
+        summary, stop = self._finish()
         wall = time.monotonic() - started
         unrun = max(0, self.todo - self.sink.finished)
-        summary = self.sink.finish(self._run_record(wall, unrun, stop), self.opts.plots and stop is None)
-        if summary["storage_error"] and not self.sink.storage_error:  # noticed at the end (rows.jsonl gone)
-            self.sink.storage_error = summary["storage_error"]
         exit_code = self._summarise(summary, wall, unrun, stop)
         return Outcome(
             exit_code=exit_code,
@@ -356,9 +361,31 @@ class SweepDriver:
             },
         )
 
+    def _finish(self) -> tuple[dict[str, Any], SweepInterrupted | None]:
+        """Collect the rows in flight, write the final matrices, then decide and record the outcome.
+
+        A signal at any point before the outcome is recorded (while collecting or while the matrices are
+        written) makes it "stopped": the matrices the collector is writing are completed (all or none, see
+        staging.py), never cut off. One that comes after the record changes nothing. Returns the collector's
+        summary and the stop the outcome records."""
+        in_loop = self.stop.requested  # that stop was announced where the loop ended
+        self.sink.drain(10.0 if self.stop.requested else 60.0)
+        self.sink.final_matrices(self.opts.plots and not self.stop.requested)
+        stop = self.stop.interrupted()
+        if stop is not None:
+            if not in_loop:
+                self._event(f"{stop.name} received after the last cell: recording the sweep as stopped")
+            self.sink.log("stopped", signal=stop.name)
+        wall = time.monotonic() - self._started
+        unrun = max(0, self.todo - self.sink.finished)
+        summary = self.sink.finish(self._run_record(wall, unrun, stop))
+        if summary["storage_error"] and not self.sink.storage_error:  # noticed at the end (rows.jsonl gone)
+            self.sink.storage_error = summary["storage_error"]
+        return summary, stop
+
     def _outcome(self, stop: SweepInterrupted | None, unrun: int) -> str:
         if stop is not None:
-            return "interrupted"
+            return "stopped"
         if self.sink.storage_error:
             return "storage_failed"
         return "no_box_left" if unrun else "finished"
@@ -410,7 +437,14 @@ class SweepDriver:
             return 128 + stop.signum
         if unrun:
             self._event(f"{unrun} cells not run: no box left in rotation (rerun to resume them)")
-        complete = counts["stored"] == counts["total"]
-        if self.waves is not None:  # done when every group stopped and each cell asked for has a row
-            complete = not self.waves.open_groups() and not unrun
-        return 0 if complete and not failed_now and not summary["matrix_errors"] else 1
+        refused = summary.get("refused_input", 0)  # of the user's own making (schema.RefusalKind)
+        if refused:
+            self._event(
+                f"{refused} cells REFUSED for what the spec or its inputs ask (each row's reason says what; "
+                "documented refusals are not counted): fix it and rerun with --restart"
+            )
+        stored_all = counts["stored"] == counts["total"]
+        complete = (
+            not (self.waves.open_groups() or unrun) if self.waves else stored_all
+        )  # adaptive: all stopped
+        return 0 if complete and not failed_now and not refused and not summary["matrix_errors"] else 1

@@ -45,7 +45,7 @@ class Health:
         options: Any,
         boxes: list[Box],
         pool: RunnerPool,
-        scheduler: Placement,
+        placement: Placement,
         sink: Sink,
         event: Callable[[str], None],
     ) -> None:
@@ -53,7 +53,7 @@ class Health:
         self.opts = options
         self.boxes = boxes
         self.pool = pool
-        self.scheduler = scheduler
+        self.placement = placement
         self.sink = sink
         self._event = event
         self.load_failures: Counter[LoadKey] = Counter()
@@ -90,7 +90,7 @@ class Health:
         if any(s.key == key and s.holds_model and s.loading is None for s in self.pool.slots):  # loaded there
             self.take_out(slot.box, f"cannot load {key[0]} here, as another box can: {reason}")
             return
-        dropped = self.scheduler.drop_key(key)
+        dropped = self.placement.drop_key(key)
         where = {"runner": slot.name, "model": key[0], "load_group": key[1]}
         self._event(
             f"{slot.name}: model {key[0]} cannot be loaded: {reason}; {len(dropped)} cells {status.value}"
@@ -111,7 +111,7 @@ class Health:
         where = {"runner": slot.name, "model": key[0], "load_group": key[1]}
         self.sink.log("load_failed", **where, reason=reason, failures=failures)
         if failures >= self.opts.max_attempts:
-            dropped = self.scheduler.drop_key(key)
+            dropped = self.placement.drop_key(key)
             self._event(f"giving up on {key[0]} ({key[1]}): {len(dropped)} cells stored as ERROR")
             self.sink.log("model_given_up", **where, cells=len(dropped))
             why = f"model could not be loaded ({self.load_failures[key]} tries): {reason}"
@@ -165,7 +165,7 @@ class Health:
                     )
                     continue
                 task.attempt += 1
-            self.scheduler.add(task)
+            self.placement.add(task)
             was_running = call.started is not None
             what = {"cell_id": task.cell.cell_id, "attempt": task.attempt, "was_running": was_running}
             self.sink.log("requeued", **what, runner=slot.name, cause=cause)

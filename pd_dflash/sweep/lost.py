@@ -83,8 +83,10 @@ def _wait_for_lock(path: Path, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # a link: ELOOP, then store.open refuses it
+        except (
+            OSError
+        ):  # none, or not a lock anyone holds (a link, a directory): store.open names what is wrong
             return True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -44,7 +44,7 @@ class RunOptions:
 
 
 class SweepInterrupted(BaseException):
-    """SIGINT or SIGTERM arrived (raised by the handler ``cluster.run_sweep`` installs): stop cleanly."""
+    """SIGINT, SIGTERM or SIGHUP arrived: raised by ``stops.StopRequest.check`` outside any Ray call."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -74,7 +74,7 @@ class Outcome:
     loads: int
     wall_s: float
     out_of_rotation: list[dict[str, Any]]
-    #: finished, no_box_left, storage_failed, interrupted or cluster_lost (also in sweep.json).
+    #: finished, no_box_left, storage_failed, stopped (a signal) or cluster_lost (also in sweep.json).
     outcome: str = "finished"
     #: What stopped the sweep early: the signal's name, or the storage failure; None otherwise.
     stopped: str | None = None

@@ -22,6 +22,7 @@ from pd_dflash.errors import InputError
 from pd_dflash.spec import Hardware, ModelSpec, SweepSpec
 from pd_dflash.sweep.collector import HEAD_RESOURCE
 from pd_dflash.sweep.manifest import environment_manifest
+from pd_dflash.sweep.out_names import check_out_names
 from pd_dflash.sweep.resume import Mode, check_resumable, probe_writable
 from pd_dflash.sweep.runner import short
 
@@ -194,6 +195,7 @@ def _check_out_dir(out_dir: str, spec: SweepSpec, mode: Mode) -> str | None:
 
     try:
         probe_writable(Path(out_dir))
+        check_out_names(Path(out_dir))  # no fixed name followed out of OUT, before any is read
         check_resumable(Path(out_dir), spec, mode)
     except InputError as exc:
         return str(exc)

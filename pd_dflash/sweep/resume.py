@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -67,8 +68,8 @@ def current_rows_of(out_dir: str | Path) -> list[Row]:
 
 
 def row_mismatch(row: Row, cell: Cell) -> str | None:
-    """Why ``row`` cannot be the row of ``cell`` (its cell id), or None: the identity, the drafter and the block
-    sizes it covers are what the cell id measures. The collector refuses such a row; resume sets it aside."""
+    """Why ``row`` cannot be the row of ``cell`` (its cell id), or None: the identity, the drafter, the block
+    sizes it covers and the repeat's sample seed are what the cell id measures. The collector refuses such a row; resume sets it aside."""
     if row.identity != cell.identity:
         return f"row identity {row.identity} does not match cell {cell.cell_id} {cell.identity}"
     if row.draft != cell.draft:
@@ -79,6 +80,10 @@ def row_mismatch(row: Row, cell: Cell) -> str | None:
             f"row block_sizes_covered {list(covered)} does not match cell {cell.cell_id} "
             f"{list(cell.block_sizes_covered)}"
         )
+    # Rows from before independent repeats carry no seed: they drew every repeat from repeat 0's sample.
+    seed = row.sample_seed if row.sample_seed is not None or cell.repeat else cell.sample_seed
+    if seed != cell.sample_seed:
+        return f"row sample_seed {seed} does not match cell {cell.cell_id} sample_seed {cell.sample_seed}"
     return None
 
 
@@ -192,12 +197,15 @@ def probe_writable(out_dir: Path) -> None:
     """Create OUT and write, fsync and remove a probe file there; InputError when that fails."""
     try:
         out_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
-        probe = out_dir / f".probe-{os.getpid()}"
-        with open(probe, "w") as fh:
-            fh.write("probe\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        probe.unlink()
+        # a fresh name, created exclusively: a link left under that name is never followed out of OUT
+        probe = out_dir / f".probe-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, b"probe\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            probe.unlink()
     except OSError as exc:
         raise InputError(
             f"results directory is not writable: {exc.strerror or exc}", where=str(out_dir)

@@ -24,7 +24,7 @@ import ray
 from pd_dflash.engine import registry
 from pd_dflash.engine.interface import EngineContext, Refused
 from pd_dflash.errors import InputError
-from pd_dflash.schema import EngineResult, Row, Status
+from pd_dflash.schema import Row, Status
 from pd_dflash.spec import Cell, Hardware, SweepSpec
 from pd_dflash.sweep.manifest import environment_manifest
 from pd_dflash.sweep.store import utc_now
@@ -143,7 +143,9 @@ class Runner:
             try:
                 result = self.engine.run_cell(cell)
             except Refused as refusal:  # the one place a refusal becomes a row
-                result = EngineResult(status=refusal.status, reason=refusal.reason)
+                result = refusal.result()
+            except InputError as exc:  # a bad input met while running: the same every time, so not an ERROR
+                result = Refused(Status.REFUSED, short(str(exc))).result()
             seconds = time.perf_counter() - t0
             result = result.model_copy(update={"engine": {**self.describe, **result.engine}})
             row = Row.from_result(cell, result, **bookkeeping, finished_at=utc_now())

@@ -24,7 +24,7 @@ from pd_dflash.errors import InputError
 from pd_dflash.rows import ROWS_FILE
 from pd_dflash.schema import FAILED_STATUSES, Row, Status
 from pd_dflash.spec import SweepSpec
-from pd_dflash.sweep import preflight
+from pd_dflash.sweep import preflight, stops
 from pd_dflash.sweep.collector import Collector
 from pd_dflash.sweep.manifest import environment_manifest
 from pd_dflash.sweep.placement import Estimator, Task
@@ -57,6 +57,7 @@ class Sink:
         self.estimator = estimator
         self._event = event
         self.collector: Any = None
+        self.out_dir: str | None = None
         self.adds: list[Any] = []
         self.finished = 0
         self.failed = 0
@@ -71,6 +72,7 @@ class Sink:
         self, out_dir: str, mode: Mode, boxes: list[Box], options: dict[str, Any]
     ) -> dict[str, StoredCell]:
         """Start the collector for ``out_dir`` and open the directory; returns what is already stored."""
+        self.out_dir = out_dir
         run_info = {
             "driver": {"host": socket.gethostname(), "pid": os.getpid(), "argv": sys.argv},
             "environment": environment_manifest(),
@@ -80,7 +82,7 @@ class Sink:
         self.collector = self._start_collector(out_dir, mode, run_info, options)
         timeout = options["preflight_timeout_s"]
         try:
-            opened = ray.get(self.collector.open.remote(), timeout=timeout)
+            opened = stops.get(self.collector.open.remote(), timeout)
         except RayTaskError as exc:
             ray.kill(self.collector)
             cause = getattr(exc, "cause", None)
@@ -210,12 +212,17 @@ class Sink:
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait for the rows in flight to be stored (or rejected, which is reported)."""
         if self.adds:
-            ray.wait(self.adds, num_returns=len(self.adds), timeout=timeout_s)
+            stops.wait(self.adds, timeout_s)
             self.check_adds()
 
-    def finish(self, patch: dict[str, Any], plots: bool) -> dict[str, Any]:
-        """Write the final matrices and the run's outcome, release the directory, stop the collector."""
-        summary = ray.get(self.collector.finish.remote(patch, plots))
+    def final_matrices(self, plots: bool) -> None:
+        """Have the collector write the final matrices (after every row sent so far: its calls run in order);
+        waited for whole, so a stop meanwhile never leaves them half-written."""
+        stops.get(self.collector.final_matrices.remote(plots))
+
+    def finish(self, patch: dict[str, Any]) -> dict[str, Any]:
+        """Record the run's outcome, release the directory, stop the collector; returns its summary."""
+        summary = stops.get(self.collector.finish.remote(patch))
         ray.kill(self.collector)
         return summary
 

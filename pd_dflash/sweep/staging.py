@@ -10,6 +10,7 @@ them from rows.jsonl — so OUT never holds a stale or partial ``result_matrix.*
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -19,6 +20,7 @@ from typing import Any
 from pd_dflash.rows import fsync_dir
 from pd_dflash.schema import Row
 from pd_dflash.spec import SweepSpec
+from pd_dflash.sweep.out_names import real_dir
 
 #: What the report writes into OUT (plots/ only with plots); all of it is removed when a write fails.
 MATRIX_GLOBS = ("result_matrix.*", "verdict.json", "plots/*.png")
@@ -43,7 +45,10 @@ def write_matrix_set(
             verdict = write_outputs(rows, stage, spec.gates, plots=plots, spec=spec)
             staged = sorted(p.relative_to(stage) for p in stage.rglob("*") if p.is_file())
             for name in staged:  # renames need no space: once every file is written, the set goes in whole
-                (out_dir / name).parent.mkdir(mode=0o750, exist_ok=True)
+                folder = (out_dir / name).parent
+                folder.mkdir(mode=0o750, exist_ok=True)
+                if not real_dir(folder):  # plots/ made a link meanwhile: never write through it out of OUT
+                    raise OSError(errno.ELOOP, "not a directory of OUT (a link?)", str(folder))
                 os.replace(stage / name, out_dir / name)
         except OSError as exc:
             raise _failed(exc, stage, out_dir) from None
@@ -77,6 +82,8 @@ def remove_matrices(out_dir: Path) -> list[str]:
     """Remove what the report wrote into OUT (``MATRIX_GLOBS``); returns the names removed."""
     removed = []
     for pattern in MATRIX_GLOBS:
+        if "/" in pattern and not real_dir(out_dir / pattern.split("/")[0]):
+            continue  # never glob through a link out of OUT
         for path in sorted(out_dir.glob(pattern)):
             if path.is_file():
                 path.unlink(missing_ok=True)

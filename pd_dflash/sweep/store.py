@@ -25,10 +25,12 @@ and directories 0750 at most (the collector also runs with umask 027): results m
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import shutil
+import stat
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -52,6 +54,16 @@ from pd_dflash.rows import (
 from pd_dflash.schema import Row
 from pd_dflash.spec import SweepSpec, expand
 from pd_dflash.sweep.manifest import env_summary
+from pd_dflash.sweep.out_names import (
+    ERRORS_DIR,
+    EVENTS_FILE,
+    LOCK_FILE,
+    PLOTS_DIR,
+    SET_ASIDE_FILE,
+    check_out_names,
+    real_dir,
+    refuse_link,
+)
 from pd_dflash.sweep.resume import (
     ARCHIVE_DIR,
     SWEEP_FILE,
@@ -68,11 +80,6 @@ from pd_dflash.sweep.resume import (
 )
 from pd_dflash.sweep.staging import write_matrix_set
 
-EVENTS_FILE = "events.jsonl"
-#: Where resume moves stored rows the report would refuse (one JSON object per row: line, reason, the text).
-SET_ASIDE_FILE = "rows.set-aside.jsonl"
-ERRORS_DIR = "errors"
-LOCK_FILE = ".lock"
 #: Temporary files a crash can leave (atomic rewrites, the writability probe); removed when OUT is opened.
 STALE_PATTERNS = (".*.tmp*", ".probe-*")
 
@@ -117,8 +124,10 @@ class SweepStore:
         counted in it, unless ``count_restart=False``: the driver recording a lost cluster).
         """
         probe_writable(self.out_dir)
+        check_out_names(self.out_dir)  # no fixed name is a link out of OUT (the lock's included)
         self._lock()
         try:
+            check_out_names(self.out_dir)  # again, now that no other sweep can change OUT
             archived = None
             if self.mode == Mode.RESTART and self._has_content():
                 archived = self._archive()
@@ -221,9 +230,9 @@ class SweepStore:
     def _remove_stale_files(self) -> list[str]:
         """Temporary files of writes a crash interrupted (only this store writes OUT while it holds the lock)."""
         removed = []
-        for folder in (self.out_dir, self.out_dir / "plots"):
+        for folder in (self.out_dir, self.out_dir / PLOTS_DIR):
             for pattern in STALE_PATTERNS:
-                for path in sorted(folder.glob(pattern)) if folder.is_dir() else []:
+                for path in sorted(folder.glob(pattern)) if real_dir(folder) else []:
                     if path.is_dir() and not path.is_symlink():
                         shutil.rmtree(path)  # a staging directory of the matrices (staging.py)
                     else:
@@ -234,7 +243,14 @@ class SweepStore:
     def _lock(self) -> None:
         if self._lock_fd is not None:
             return
-        fd = os.open(self.out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        path = self.out_dir / LOCK_FILE
+        try:  # ELOOP: a link made since check_out_names; EISDIR, ENXIO (a socket)...
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise refuse_link(exc, path) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise InputError("must be a regular file (the sweep's lock)", where=str(path))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -390,6 +406,10 @@ class SweepStore:
         """Append one attempt's failure to ``errors/<cell_id>.txt`` (fsynced: it outlives any crash)."""
         path = self.out_dir / ERRORS_DIR / f"{row.cell_id}.txt"
         path.parent.mkdir(mode=0o750, exist_ok=True)
+        if not real_dir(path.parent):  # a link made while the sweep runs: fail the write, never follow it
+            raise OSError(
+                errno.ELOOP, "is not a directory of the results directory (a link?)", str(path.parent)
+            )
         runner = row.runner or {}
         header = (
             f"=== {row.status.value} attempt {row.attempt} at {row.finished_at or utc_now()} "
@@ -397,7 +417,7 @@ class SweepStore:
             f"cell: {row.model} {row.baseline} B={row.block_size} c={row.concurrency} repeat={row.repeat}\n"
             f"reason: {row.reason}\n"
         )
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640)
         with open(fd, "a", encoding="utf-8") as fh:
             fh.write(header + text.rstrip("\n") + "\n\n")
             fh.flush()

@@ -14,13 +14,14 @@ landed early changes nothing) and reach the same decisions: no cell is measured 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from pd_dflash.report.adaptive import Design, GroupRun, replay
 from pd_dflash.schema import FINAL_STATUSES, Row
 from pd_dflash.spec import Cell, SweepSpec
 from pd_dflash.stopping import STOP_REASONS
+from pd_dflash.sweep.resume import Mode, StoredCell, cells_to_run
 
 
 class Waves:
@@ -30,6 +31,10 @@ class Waves:
         self.rows: dict[tuple, Row] = {}
         self.runs = {gid: GroupRun(self.design.bounds.min) for gid in self.design.members}
         self.requested: set[str] = set()
+        #: Rows stored since the last ``due`` (the driver's sink appends each one).
+        self.arrived: list[Row] = []
+        self.stored: dict[str, StoredCell] = {}
+        self.mode = Mode.RESUME
 
     def _keep(self, row: Row) -> None:
         held = self.rows.get(row.identity)
@@ -46,16 +51,26 @@ class Waves:
                     out.append(cell)
         return out
 
-    def start(self, stored: Iterable[Row], *, retry_errors: bool) -> list[Cell]:
-        """Replay the looks the stored rows allow; the cells every group needs now that have no row.
+    def start(self, rows: Iterable[Row], stored: dict[str, StoredCell], mode: Mode) -> list[tuple[Cell, int]]:
+        """Replay the looks the stored rows allow; (cell, attempt) of every cell the groups need now.
 
-        With ``retry_errors`` a stored ERROR/TIMEOUT row is not read: its cell runs again and is looked at then.
+        With ``--retry-errors`` a stored ERROR/TIMEOUT row is not read: its cell runs again and is looked at then.
         """
-        for row in stored:
-            if row.identity in self.design.groups_of and (not retry_errors or row.status in FINAL_STATUSES):
+        self.stored, self.mode = stored, mode
+        for row in rows:
+            if row.identity in self.design.groups_of and (
+                mode != Mode.RETRY_ERRORS or row.status in FINAL_STATUSES
+            ):
                 self._keep(row)
         self.runs = replay(self.design, self.rows.values(), self.gates)
-        return [c for gid, run in self.runs.items() for c in self._request(gid, run.repeats)]
+        needed = [c for gid, run in self.runs.items() for c in self._request(gid, run.repeats)]
+        return cells_to_run(needed, stored, mode)
+
+    def due(self) -> Iterator[tuple[Cell, int]]:
+        """(cell, attempt) of the repeats the rows stored since ask for; a row stored meanwhile (a refusal of a
+        cell just asked for) is taken too."""
+        while self.arrived:
+            yield from cells_to_run(self.landed(self.arrived.pop(0)), self.stored, self.mode)
 
     def landed(self, row: Row) -> list[Cell]:
         """A row was stored: take the looks it completes; the cells of the repeats that asks for."""

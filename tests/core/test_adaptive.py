@@ -16,7 +16,7 @@ from pd_dflash.report.build import build_report
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import cell_count, expand, parse_spec
 from pd_dflash.stopping import DECIDED, MAX_REACHED
-from tests.core.helpers import base_spec, result
+from tests.core.helpers import base_spec, jittered
 
 ADAPTIVE = {"min": 2, "max": 4}
 
@@ -105,7 +105,7 @@ def rows_until(spec, repeats_of, coverage):
         over = {}
         if cell.baseline == "OURS":
             over["route_ahead_prefetch_coverage"] = coverage[cell.concurrency][cell.repeat]
-        rows.append(Row.from_result(cell, result(cell.baseline, cell.repeat, **over)))
+        rows.append(Row.from_result(cell, jittered(cell.baseline, cell.repeat, **over)))
     return rows
 
 

@@ -270,3 +270,102 @@ def test_the_module_map_matches_the_tree():
     named = _mapped_modules(doc)
     assert on_disk - named == set(), "modules missing from docs/architecture.md's module map"
     assert named - on_disk == set(), "docs/architecture.md names modules that do not exist"
+
+
+# -- (d) the rooms of engine/reference --------------------------------------------------------------------------
+
+REFERENCE = "pd_dflash.engine.reference"
+#: engine/reference's rooms, lowest first (docs/architecture.md, "The reference engine's rooms"): a room imports at
+#: run time only from itself and the rooms before it. A folder is a room; top-level modules are placed by name.
+REFERENCE_ROOMS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("leaves", frozenset({"", "host_sync", "options", "requirements", "seams", "prompts", "artifacts"})),
+    ("families", frozenset({"families"})),
+    ("offload", frozenset({"offload"})),
+    ("checkpoints", frozenset({"checkpoints"})),
+    ("decoding", frozenset({"decoding"})),
+    ("dflash", frozenset({"dflash"})),
+    ("presets", frozenset({"presets"})),
+    ("cell", frozenset({"models", "drafters", "cell", "trace", "spec_check", "engine"})),
+)
+
+
+def _type_checking_block(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
+
+
+def runtime_imports_of(module: Module) -> set[str]:
+    """``imports_of`` without the imports under ``if TYPE_CHECKING:`` (annotations only, never run)."""
+    typing_only = [n for n in ast.walk(module.tree) if _type_checking_block(n)]
+    tree = ast.Module(
+        body=[
+            stmt
+            for stmt in ast.walk(module.tree)
+            if isinstance(stmt, (ast.Import, ast.ImportFrom))
+            and not any(stmt in ast.walk(block) for block in typing_only)
+        ],
+        type_ignores=[],
+    )
+    return imports_of(Module(module.name, module.path, tree))
+
+
+def reference_room(name: str) -> int | None:
+    """The rank of a module's room in ``REFERENCE_ROOMS`` (None outside engine/reference)."""
+    if name != REFERENCE and not name.startswith(f"{REFERENCE}."):
+        return None
+    first = name[len(REFERENCE) + 1 :].split(".")[0]
+    ranks = [i for i, (_, members) in enumerate(REFERENCE_ROOMS) if first in members]
+    assert ranks, f"{name}: its room is not placed in REFERENCE_ROOMS (docs/architecture.md)"
+    return ranks[0]
+
+
+def test_the_room_check_reads_runtime_imports_only():
+    seams = MODULES[f"{REFERENCE}.seams"]
+    assert f"{REFERENCE}.decoding.target" in imports_of(seams)  # its annotations' types ...
+    assert f"{REFERENCE}.decoding.target" not in runtime_imports_of(seams)  # ... are never imported
+    assert f"{REFERENCE}.host_sync" in runtime_imports_of(MODULES[f"{REFERENCE}.decoding.target"])
+    # A function-level import runs: it counts.
+    assert f"{REFERENCE}.artifacts" in runtime_imports_of(MODULES[f"{REFERENCE}.checkpoints.tiny"])
+
+
+def test_every_reference_module_has_a_room():
+    for name in MODULES:
+        reference_room(name)
+
+
+def test_no_reference_room_imports_a_later_one_at_run_time():
+    against = sorted(
+        f"{name} -> {dep}"
+        for name, module in MODULES.items()
+        if (rank := reference_room(name)) is not None
+        for dep in runtime_imports_of(module)
+        if (dep_rank := reference_room(dep)) is not None and dep_rank > rank
+    )
+    assert not against, "imports against the rooms' order (docs/architecture.md)"
+
+
+def test_the_documented_room_order_is_the_tested_one():
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    line = next(ln.strip() for ln in doc.splitlines() if ln.strip().startswith("Rooms, lowest first:"))
+    assert [r.strip(" `.") for r in line.split(":", 1)[1].split("→")] == [name for name, _ in REFERENCE_ROOMS]
+
+
+def test_where_to_change_what_names_files_that_exist():
+    """docs/architecture.md's "Where to change what" reads right from ``ls``: every path it names exists (a
+    path is relative to the repository, ``pd_dflash/``, ``pd_dflash/engine/`` or ``pd_dflash/engine/reference/``;
+    ``pkg/`` (`a`, `b`) names pkg/a.py and pkg/b.py)."""
+    repo = PACKAGE.parent
+    doc = (repo / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = doc.split("## Where to change what", 1)[1].split("\n## ", 1)[0]
+    bases = (repo, PACKAGE, PACKAGE / "engine", PACKAGE / "engine" / "reference")
+    named: set[str] = set()
+    for line in table.splitlines()[2:]:
+        for package, members in re.findall(r"`([\w/]+/)` \(([^)]*)\)", line):
+            named |= {f"{package}{m}.py" for m in re.findall(r"`(\w+)`", members)}
+        named |= set(re.findall(r"`([\w/.]+\.(?:py|md))", line))
+    assert len(named) > 20
+    missing = sorted(n for n in named if not any((base / n).exists() for base in bases))
+    assert not missing, "paths in docs/architecture.md's 'Where to change what' that do not exist"

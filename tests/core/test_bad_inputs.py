@@ -96,7 +96,9 @@ def test_wrong_specs_are_refused_at_plan_time(tmp_path, capsys, over, field):
 
 def test_strict_types_still_accept_what_a_person_writes(tmp_path, capsys):
     data = spec_data(
-        memory={"device_memory_ratio": 0.5, "resident_memory_ratio": 1},  # an int for a float is fine
+        slo={
+            "ttft_ms": 100
+        },  # an int for a float is fine (the memory ratios: MoE-Infinity's, test_plan_refusals)
         hardware={"compute_capability": [12, 0]},  # YAML has no tuples
         workload={"max_new_tokens": "auto", "temperature": 0},
     )

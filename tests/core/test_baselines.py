@@ -94,3 +94,49 @@ def test_moe_infinity_refuses_the_reference_ablations_at_plan():
     reasons = {c.baseline: blocked_reason("moe_infinity", c) for c in expand(spec)}
     assert reasons["B1"] is None
     assert "ablation of the reference engine" in reasons["RA"] and "AR2D" in reasons["AR2D"]
+
+
+PACKAGE = Path(__file__).resolve().parents[2] / "pd_dflash"
+#: Where a configuration may be named: the table, upstream's words, and at most one more module.
+NAMING_MODULES = {"baselines.py", "upstream.py"}
+
+
+def _naming_modules() -> dict[str, list[str]]:
+    """Modules of the package holding a string constant that is a configuration's name (e.g. ``"OURS"``)."""
+    import ast
+
+    names = set(ORDER)
+    found: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.setdefault(path.relative_to(PACKAGE).as_posix(), []).append(
+                    f"{node.value}:{node.lineno}"
+                )
+    return found
+
+
+def test_configurations_are_named_only_by_the_table_upstream_and_one_more_module():
+    """The gates read roles (base, candidate, resident bound, ordering chain) from the table; a module that
+    compares against ``"OURS"`` or ``"B0"`` itself is a second source of truth."""
+    found = _naming_modules()
+    assert set(found) >= NAMING_MODULES  # the check can see names where they are
+    others = {m: v for m, v in found.items() if m not in NAMING_MODULES}
+    assert len(others) <= 1, f"configuration names outside baselines.py and upstream.py: {others}"
+
+
+def test_the_roles_are_the_designs():
+    from pd_dflash.baselines import (
+        BASE,
+        CANDIDATE,
+        ORDERING_CHAIN,
+        RESIDENT_BOUND,
+        SPECULATIVE_BASE,
+        ordering_step_loose,
+    )
+
+    assert (BASE, CANDIDATE, RESIDENT_BOUND, SPECULATIVE_BASE) == ("B0", "OURS", "B3", "B1")
+    assert ORDERING_CHAIN == ("B0", "B1", "OURS", "B3")
+    assert ordering_step_loose("OURS", "B3") and not ordering_step_loose("B1", "B3")
+    assert not configuration(RESIDENT_BOUND).offloaded and configuration(CANDIDATE).route_ahead
+    assert configuration(BASE).block_independent and not configuration(SPECULATIVE_BASE).route_ahead

@@ -1,7 +1,8 @@
 """The confidence-aware verdict beside upstream's mean-based one, and the basis every verdict line states
 (docs/metrics.md §7, "On 95% intervals" and "Basis").
 
-One hand-built group (tests/core/helpers.py's, which passes every gate on means); each test spreads one input
+One hand-built group (tests/core/helpers.py's, which passes every gate on means), its repeats spread a little
+around the same means (``NOISE``: repeats that copy one another are no evidence); each test spreads one input
 over the repeats so that its Student-t 95% interval clears a threshold, straddles it, or lies beyond it.
 """
 
@@ -17,17 +18,47 @@ from pd_dflash.report.confidence import FAIL, INCONCLUSIVE, PASS
 from pd_dflash.report.gates import VERDICT_GATES
 from pd_dflash.schema import CostTerms
 from pd_dflash.spec import Gates
-from tests.core.helpers import HIDE, KEY, gate_spec, rows_of
-
-
-def run(repeats: int = 3, gates: Gates | None = None, **by_baseline: dict):
-    s = gate_spec(repeats)
-    return build_report(rows_of(s, **by_baseline), gates or Gates(), spec=s)
+from tests.core.helpers import HIDE, KEY, TOKENS, gate_spec, rows_of
 
 
 def spread(*values):
     """A field that takes ``values[repeat]``."""
     return lambda r: values[r]
+
+
+def around(value, step, pattern):
+    """``value + step * pattern[repeat]``: a spread with the same mean over three repeats (exact in binary)."""
+    return lambda r: value + step * pattern[r % 3]
+
+
+RA = {"predicted_experts": 100, "actual_experts": 80, "covered_experts": 70, "coverage": 0.875}
+#: Each baseline's repeats spread around helpers.py's values, in a different pattern per baseline so that the
+#: paired differences spread too.
+NOISE = {
+    "B0": {"output_tokens_per_second": around(TOKENS["B0"], 0.5, (-1, 0, 1))},
+    "B1": {
+        "output_tokens_per_second": around(TOKENS["B1"], 0.5, (0, 1, -1)),
+        "t_router_seconds": around(0.125, 1 / 64, (-1, 0, 1)),
+    },
+    "B3": {"output_tokens_per_second": around(TOKENS["B3"], 0.5, (-1, 1, 0))},
+    "OURS": {
+        "output_tokens_per_second": around(TOKENS["OURS"], 0.5, (1, -1, 0)),
+        "t_router_seconds": around(0.125, 1 / 64, (1, 0, -1)),
+        "route_ahead_prefetch_coverage": around(0.875, 1 / 64, (-1, 0, 1)),
+        "route_ahead": lambda r: {**RA, "waste_ratio": 0.25 + (r % 3 - 1) / 64},
+        "hide_inequality": lambda r: evaluate_hide_inequality(
+            **{**HIDE, "draft_seconds": 0.5 + (r % 3 - 1) / 64}
+        ),
+    },
+}
+
+
+def run(repeats: int = 3, gates: Gates | None = None, noise: bool = True, **by_baseline: dict):
+    s = gate_spec(repeats)
+    over = {
+        b: {**(NOISE.get(b, {}) if noise else {}), **by_baseline.get(b, {})} for b in {*NOISE, *by_baseline}
+    }
+    return build_report(rows_of(s, **over), gates or Gates(), spec=s)
 
 
 def conf(verdict, name):
@@ -49,6 +80,19 @@ def test_a_single_repeat_is_inconclusive_on_intervals_although_the_means_pass():
     assert line in files["result_matrix.md"] and json.loads(files["verdict.json"])["confidence"][
         "verdict"
     ] == ("INCONCLUSIVE")
+
+
+def test_repeats_that_copy_one_another_decide_no_gate_on_intervals():
+    """Repeats that replay one sample give every metric one value: zero-width intervals from n = 3, which are
+    no evidence, so nothing passes or fails on intervals although every gate passes on means."""
+    verdict, _ = run(repeats=3, noise=False)
+    assert verdict["overall"]["verdict"] == "GO"
+    assert {g: conf(verdict, g)["status"] for g in VERDICT_GATES} == dict.fromkeys(
+        VERDICT_GATES, INCONCLUSIVE
+    )
+    assert all("no spread across repeats" in conf(verdict, g)["summary"] for g in VERDICT_GATES)
+    assert verdict["confidence"]["verdict"] == "INCONCLUSIVE"
+    assert verdict["groups"][KEY]["gates"]["coverage"]["ci95_low"] == 0.875  # the interval is there, [x, x]
 
 
 def test_repeats_that_agree_pass_every_gate_on_intervals():
@@ -80,11 +124,10 @@ def test_coverage_on_its_interval(values, on_means, on_intervals):
 
 
 def test_waste_on_its_interval():
-    ra = {"predicted_experts": 100, "actual_experts": 80, "covered_experts": 70, "coverage": 0.875}
-    wide = spread(*({**ra, "waste_ratio": w} for w in (0.3, 0.5, 0.7)))
+    wide = spread(*({**RA, "waste_ratio": w} for w in (0.3, 0.5, 0.7)))
     verdict, _ = run(OURS={"route_ahead": wide})
     assert conf(verdict, "waste")["status"] == INCONCLUSIVE
-    high = spread(*({**ra, "waste_ratio": w} for w in (0.8, 0.81, 0.82)))
+    high = spread(*({**RA, "waste_ratio": w} for w in (0.8, 0.81, 0.82)))
     verdict, _ = run(OURS={"route_ahead": high})
     assert conf(verdict, "waste")["status"] == FAIL and "> 0.5" in conf(verdict, "waste")["summary"]
 
@@ -110,7 +153,9 @@ def test_speedup_ordering_and_bm1_compare_intervals():
     # OURS wholly below B1 (30): the ordering fails on intervals too
     verdict, _ = run(OURS={"output_tokens_per_second": spread(24.0, 25.0, 26.0)})
     assert conf(verdict, "ordering")["status"] == FAIL
-    assert conf(verdict, "ordering")["summary"] == "B1 tokens/s [30, 30] vs OURS [22.52, 27.48]: < fails"
+    assert conf(verdict, "ordering")["summary"].startswith(
+        "OURS - B1 tokens/s, paired by repeat, n=3: 95% interval [-8.286, -1.714]"
+    ) and conf(verdict, "ordering")["summary"].endswith("<= 0: fails")
     # OURS wholly below B0's 20: the speedup fails
     verdict, _ = run(OURS={"output_tokens_per_second": spread(9.0, 10.0, 11.0)})
     assert conf(verdict, "speedup_over_b0")["status"] == FAIL

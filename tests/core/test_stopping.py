@@ -28,7 +28,7 @@ from pd_dflash.stopping import (
     planned_looks,
     stop_reason,
 )
-from tests.core.helpers import base_spec, result
+from tests.core.helpers import base_spec, jittered
 
 GROUPS = 4000
 BOUNDS = AdaptiveRepeats(min=2, max=8)
@@ -101,7 +101,7 @@ def _coverage_rows(spec, values):
         over = {}
         if cell.baseline == "OURS":
             over["route_ahead_prefetch_coverage"] = float(values[cell.repeat])
-        rows.append(Row.from_result(cell, result(cell.baseline, cell.repeat, **over)))
+        rows.append(Row.from_result(cell, jittered(cell.baseline, cell.repeat, **over)))
     return rows
 
 

@@ -12,7 +12,7 @@ from pd_dflash.engine.interface import Engine, EngineContext
 from pd_dflash.engine.registry import EngineTraits
 from pd_dflash.schema import EngineResult
 from pd_dflash.spec import Cell
-from tests.core.helpers import result
+from tests.core.helpers import jittered
 from tests.sweep.engines import record_start
 
 
@@ -42,7 +42,7 @@ class GateEngine(Engine):
             if values and cell.baseline == "OURS"
             else {}
         )
-        return result(cell.baseline, cell.repeat, **over)
+        return jittered(cell.baseline, cell.repeat, **over)
 
     def describe(self) -> dict:
         return {"name": "gate-test", "synthetic": True, "device": self.ctx.device}

@@ -11,20 +11,20 @@ from pd_dflash.sweep.placement import Estimator, Placement, Task, load_key
 from tests.sweep.helpers import FIXED, make_spec
 
 
-def scheduler_for(spec):
-    sched = Placement(spec.engine, Estimator(spec))
+def placement_for(spec):
+    placement = Placement(spec.engine, Estimator(spec))
     for cell in expand(spec):
-        sched.add(Task(cell=cell, attempt=1))
-    return sched
+        placement.add(Task(cell=cell, attempt=1))
+    return placement
 
 
 def test_longest_cell_first_within_a_key():
     spec = make_spec(concurrency=[1, 4, 16], baselines=["B0", "B1"])
-    sched = scheduler_for(spec)
+    placement = placement_for(spec)
     key = ("m1", "shared")
     estimates = []
-    while (task := sched.take(key)) is not None:
-        estimates.append(sched.estimator.estimate(task.cell))
+    while (task := placement.take(key)) is not None:
+        estimates.append(placement.estimator.estimate(task.cell))
         assert task.cell.model == "m1"
     assert estimates == sorted(estimates, reverse=True) and len(estimates) == 6
 
@@ -62,35 +62,35 @@ def test_measured_times_refine_estimates():
 
 def test_choose_key_prefers_unheld_keys_then_steals_in_proportion_to_work():
     spec = make_spec()
-    sched = scheduler_for(spec)
-    assert sched.choose_key({}) is not None
+    placement = placement_for(spec)
+    assert placement.choose_key({}) is not None
     held = {("m1", "shared"): 1}
-    assert sched.choose_key(held) == ("m2", "shared")  # an unheld key: its load is unavoidable
+    assert placement.choose_key(held) == ("m2", "shared")  # an unheld key: its load is unavoidable
     # Both held: steal from the key with the most pending work per holder.
-    assert sched.choose_key({("m1", "shared"): 1, ("m2", "shared"): 3}) == ("m1", "shared")
+    assert placement.choose_key({("m1", "shared"): 1, ("m2", "shared"): 3}) == ("m1", "shared")
     # A runner keeps its own key while the key has work.
-    assert sched.choose_key({("m1", "shared"): 5}, current=("m2", "shared")) == ("m2", "shared")
+    assert placement.choose_key({("m1", "shared"): 5}, current=("m2", "shared")) == ("m2", "shared")
 
 
 def test_no_steal_when_a_load_costs_more_than_it_saves_or_no_cell_would_be_left():
     spec = make_spec()
-    sched = scheduler_for(spec)
-    est = sched.estimator
+    placement = placement_for(spec)
+    est = placement.estimator
     for cell in expand(spec)[:1]:
         est.observe(cell, 1.0)
-    pending_m1 = sched.pending_work(("m1", "shared"))
+    pending_m1 = placement.pending_work(("m1", "shared"))
     est.observe_load(("m1", "shared"), pending_m1)  # loading costs as much as all its work
-    assert sched.choose_key({("m1", "shared"): 1, ("m2", "shared"): 100}) is None
+    assert placement.choose_key({("m1", "shared"): 1, ("m2", "shared"): 100}) is None
     # With cheap loads, a key with 6 pending cells takes at most 6 runners.
     est._loads.clear()
     est.observe_load(("m1", "shared"), 0.0)
-    assert sched.choose_key({("m1", "shared"): 5, ("m2", "shared"): 6}) == ("m1", "shared")
-    assert sched.choose_key({("m1", "shared"): 6, ("m2", "shared"): 6}) is None
+    assert placement.choose_key({("m1", "shared"): 5, ("m2", "shared"): 6}) == ("m1", "shared")
+    assert placement.choose_key({("m1", "shared"): 6, ("m2", "shared"): 6}) is None
 
 
 def simulate(spec, runners: int, load_s: float, duration):
     """Discrete-event run of the policy as the driver applies it: returns (makespan, loads)."""
-    sched = scheduler_for(spec)
+    placement = placement_for(spec)
     holding: list = [None] * runners
     moved = [False] * runners
     events = [(0.0, r) for r in range(runners)]
@@ -103,20 +103,20 @@ def simulate(spec, runners: int, load_s: float, duration):
         for i, k in enumerate(holding):
             if i != r and k is not None:
                 others[k] = others.get(k, 0) + 1
-        key = sched.choose_key(others, holding[r], rebalance=not moved[r])
+        key = placement.choose_key(others, holding[r], rebalance=not moved[r])
         if key is None:
-            holding[r] = None if not sched.has_pending() else holding[r]
+            holding[r] = None if not placement.has_pending() else holding[r]
             continue
         if key != holding[r]:
-            if holding[r] is not None and sched.pending.get(holding[r]):
+            if holding[r] is not None and placement.pending.get(holding[r]):
                 moved[r] = True
             holding[r] = key
             loads += 1
-            sched.estimator.observe_load(key, load_s)
+            placement.estimator.observe_load(key, load_s)
             now += load_s
-        task = sched.take(key)
+        task = placement.take(key)
         seconds = duration(task.cell)
-        sched.estimator.observe(task.cell, seconds)
+        placement.estimator.observe(task.cell, seconds)
         heapq.heappush(events, (now + seconds, r))
     return makespan, loads
 
@@ -126,11 +126,11 @@ def test_a_runner_moves_to_a_heavier_model_once_measurements_show_it():
     m1, m2 = ("m1", "shared"), ("m2", "shared")
 
     def measured(cost_m1):
-        sched = scheduler_for(spec)
+        placement = placement_for(spec)
         first = {m: next(c for c in expand(spec) if c.model == m) for m in ("m1", "m2")}
-        sched.estimator.observe(first["m1"], cost_m1)
-        sched.estimator.observe(first["m2"], 1.0)
-        return sched
+        placement.estimator.observe(first["m1"], cost_m1)
+        placement.estimator.observe(first["m2"], 1.0)
+        return placement
 
     heavy = measured(3.0)
     # 3 runners on each model, this one on m2: m1 is 3x heavier, one of m2's runners should finish on m1.
@@ -141,7 +141,7 @@ def test_a_runner_moves_to_a_heavier_model_once_measurements_show_it():
     # Equal costs: 3/3 is the right split, nobody moves.
     assert measured(1.0).rebalance_target({m1: 3, m2: 2}, m2) is None
     # Before m1 is measured its cost is unknown: no move.
-    fresh = scheduler_for(spec)
+    fresh = placement_for(spec)
     fresh.estimator.observe(next(c for c in expand(spec) if c.model == "m2"), 1.0)
     assert fresh.rebalance_target({m1: 3, m2: 2}, m2) is None
 

@@ -26,7 +26,7 @@ def test_a_box_hosts_no_more_runners_than_its_memory_holds():
 
 def test_the_reference_engine_gives_its_figure_without_torch(tmp_path):
     assert registry.traits("reference").host_memory.startswith(
-        "pd_dflash.engine.reference.offload.host_memory:"
+        "pd_dflash.engine.reference.checkpoints.host_memory:"
     )
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

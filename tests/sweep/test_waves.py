@@ -9,10 +9,10 @@ from pd_dflash.schema import Row, Status
 from pd_dflash.spec import cell_count, expand, parse_spec
 from pd_dflash.stopping import CELL_FAILURES, DECIDED
 from pd_dflash.sweep.placement import Estimator, Placement, Task, load_key
-from pd_dflash.sweep.resume import Mode, check_resumable
+from pd_dflash.sweep.resume import Mode, check_resumable, stored_cells
 from pd_dflash.sweep.store import SweepStore
 from pd_dflash.sweep.waves import Waves
-from tests.core.helpers import base_spec, result
+from tests.core.helpers import base_spec, jittered
 
 CLEAR = [0.95, 0.96, 0.94, 0.95, 0.95]
 AT_THRESHOLD = [0.7, 0.9, 0.75, 0.85, 0.8]
@@ -28,7 +28,7 @@ def row_of(cell, coverage=None):
     """c = 1 groups measure a clear coverage, c = 4 groups one at the gate's threshold (never decided)."""
     coverage = coverage or (CLEAR if cell.concurrency == 1 else AT_THRESHOLD)
     over = {"route_ahead_prefetch_coverage": coverage[cell.repeat]} if cell.baseline == "OURS" else {}
-    return Row.from_result(cell, result(cell.baseline, cell.repeat, **over))
+    return Row.from_result(cell, jittered(cell.baseline, cell.repeat, **over))
 
 
 def land_all(waves, cells):
@@ -44,7 +44,7 @@ def land_all(waves, cells):
 def test_decided_groups_stop_at_min_undecided_ones_run_to_max_and_a_shared_b0_cell_is_asked_once():
     s = spec_of()
     waves = Waves(s, expand(s))
-    first = waves.start([], retry_errors=False)
+    first = [c for c, _ in waves.start([], {}, Mode.RESUME)]
     assert len(first) == cell_count(s, 3) and {c.repeat for c in first} == {0, 1, 2}
     landed = land_all(waves, first)
     ids = [c.cell_id for c in landed]
@@ -63,14 +63,14 @@ def test_decided_groups_stop_at_min_undecided_ones_run_to_max_and_a_shared_b0_ce
 def test_a_resumed_driver_replays_the_same_looks_and_asks_only_for_what_is_not_stored():
     s = spec_of()
     first = Waves(s, expand(s))
-    cells = first.start([], retry_errors=False)
+    cells = [c for c, _ in first.start([], {}, Mode.RESUME)]
     stored, queue = [], list(cells)
     while queue and len(stored) < cell_count(s, 3) + 3:  # killed three rows into the first added wave
         cell = queue.pop(0)
         stored.append(row_of(cell))
         queue.extend(first.landed(stored[-1]))
     again = Waves(s, expand(s))
-    asked = again.start(stored, retry_errors=False)
+    asked = [c for c, _ in again.start(stored, stored_cells(stored), Mode.RESUME)]
     assert {c.cell_id for c in asked} == {c.cell_id for c in queue}
     assert not {c.cell_id for c in asked} & {r.cell_id for r in stored}
     assert {g: (r.repeats, r.stop) for g, r in again.runs.items()} == {
@@ -84,11 +84,11 @@ def test_a_failed_cell_stops_its_group_unless_errors_are_retried():
     rows = [row_of(c) for c in cells if c.repeat < 3]
     rows[0] = Row.without_metrics(cells[0], Status.ERROR, "boom")
     waves = Waves(s, cells)
-    assert waves.start(rows, retry_errors=False) == []
+    assert waves.start(rows, stored_cells(rows), Mode.RESUME) == []
     ((_, run),) = waves.runs.items()
     assert run.stop == CELL_FAILURES
     retried = Waves(s, cells)
-    assert [c.cell_id for c in retried.start(rows, retry_errors=True)] == [cells[0].cell_id]
+    assert retried.start(rows, stored_cells(rows), Mode.RETRY_ERRORS) == [(cells[0], 2)]  # its second attempt
 
 
 def test_changed_bounds_are_a_changed_spec_refused_without_restart(tmp_path):
@@ -110,8 +110,8 @@ def test_a_runner_keeps_a_model_an_open_group_may_still_ask_a_repeat_of():
     s = spec_of(models=models, block_sizes=[8], concurrency=[4])
     waves = Waves(s, expand(s))
     sched = Placement(s.engine, Estimator(s))
-    for cell in waves.start([], retry_errors=False):
-        sched.add(Task(cell=cell, attempt=1))
+    for cell, attempt in waves.start([], {}, Mode.RESUME):
+        sched.add(Task(cell=cell, attempt=attempt))
     held = next(k for k in sched.pending if k[0] == "m1")
     while sched.pending_count(held):  # m1's first repeats all taken, none landed yet
         sched.take(held)

@@ -112,6 +112,7 @@ def _check_route_ahead_switch(loaded: Loaded, cell: Cell) -> None:
                 f"{b} needs DFlash with route-ahead prefetch OFF, but this MoE-Infinity build has no "
                 f"DFlashSpeculator.{ROUTE_AHEAD_SEAM} hook to switch it off: {b} would silently use OURS's "
                 "prefetch path",
+                kind="documented",  # a build feature (docs/moe-infinity.md)
             )
         if getattr(getattr(loaded.moe, "engine_config", None), "speculative_prefetch", False):
             raise Refused(
@@ -121,7 +122,9 @@ def _check_route_ahead_switch(loaded: Loaded, cell: Cell) -> None:
             )
     elif getattr(loaded.moe.engine, "expert_prefetcher", None) is None:
         raise Refused(
-            Status.REFUSED, f"{b} needs route-ahead, but the offload engine exposes no expert_prefetcher"
+            Status.REFUSED,
+            f"{b} needs route-ahead, but the offload engine exposes no expert_prefetcher",
+            kind="documented",
         )
 
 
@@ -135,6 +138,7 @@ def _check_concurrency(ctx: EngineContext, loaded: Loaded, cell: Cell) -> None:
             "completion inside one serving step and a multi-request batch would silently decode "
             "autoregressively; only c=1 can be measured. The concurrency sweep needs a post-#173 build "
             "(docs/moe-infinity.md)",
+            kind="documented",
         )
     if cell.concurrency > 1 and not sessions:
         raise Refused(
@@ -142,10 +146,13 @@ def _check_concurrency(ctx: EngineContext, loaded: Loaded, cell: Cell) -> None:
             f"concurrency {cell.concurrency}: persistent speculative sessions need the verify-round scheduler "
             "and DFlashSpeculator's begin_session/draft_round/verify_round, which this build lacks, and a "
             "multi-request batch would silently decode autoregressively; only c=1 can be measured",
+            kind="documented",
         )
     if not sessions and ctx.workload.temperature > 0:
         raise Refused(
-            Status.REFUSED, "the whole-request speculative path of this build is greedy-only (temperature 0)"
+            Status.REFUSED,
+            "the whole-request speculative path of this build is greedy-only (temperature 0)",
+            kind="documented",
         )
 
 

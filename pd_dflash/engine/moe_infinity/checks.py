@@ -1,7 +1,8 @@
 """Run-time checks on a measurement: it ran the configuration it is labelled with, or the row says why not.
 
 Postconditions raise :class:`~pd_dflash.engine.interface.Refused` (a measurement of another configuration is not
-reported under this one's name); ``flags`` returns warnings for library-side risks that leave the metrics honest
+reported under this one's name; of kind "documented": the library's behaviour, docs/moe-infinity.md, not the
+spec's); ``flags`` returns warnings for library-side risks that leave the metrics honest
 but the configuration slower than it should be.
 """
 
@@ -30,6 +31,7 @@ def _check_speculative(cell: Cell, plan: CellPlan, obs: Observation) -> None:
             Status.REFUSED,
             f"the serving engine generated {tokens} tokens without a single DFlash verify round (it fell back "
             f"to autoregressive decoding); refusing to report that as {cell.baseline}",
+            kind="documented",
         )
 
 
@@ -40,6 +42,7 @@ def _check_route_ahead(cell: Cell, plan: CellPlan, obs: Observation) -> None:
             Status.REFUSED,
             f"route-ahead was switched off for {cell.baseline}, yet RouteAheadStats counted "
             f"{stats['predicted_experts']} predicted experts: the switch did not take on this build",
+            kind="documented",
         )
     rounds = _verify_rounds(obs)
     if plan.route_ahead and stats is not None and rounds and not stats.get("steps"):
@@ -49,6 +52,7 @@ def _check_route_ahead(cell: Cell, plan: CellPlan, obs: Observation) -> None:
             "verify's route-ahead seam (gpt-oss experts never reach MoE-Infinity's expert executor, or the "
             "sessions fed a recorder the adapter could not reach), so OURS's coverage and waste would be "
             "vacuous",
+            kind="documented",
         )
 
 
@@ -61,6 +65,7 @@ def _check_sessions_in_flight(cell: Cell, plan: CellPlan, obs: Observation) -> N
             f"concurrency {cell.concurrency}: at most {peak} persistent speculative sessions were in flight "
             f"(ContinuousBatchingEngine.speculative_sessions), so {expected} requests were not decoded "
             f"speculatively together; refusing to report that as {cell.baseline} at c={cell.concurrency}",
+            kind="documented",
         )
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from pd_dflash.engine.interface import Engine, EngineContext, Refused
 from pd_dflash.engine.measurement import engine_result
-from pd_dflash.engine.moe_infinity import cells, loading, measure, results
+from pd_dflash.engine.moe_infinity import cells, loading, measure, trace
 from pd_dflash.engine.moe_infinity.options import MoEInfinityOptions
 from pd_dflash.schema import EngineResult, Status
 from pd_dflash.spec import Cell
@@ -85,5 +85,5 @@ class MoEInfinityEngine(Engine):
         plan = cells.plan(self.options, loaded, cell, self.h2d)
         ratio = loaded.applied_ratio if loaded.applied_ratio is not None else self.ratio
         observation = measure.measure(self.ctx, self.options, loaded, cell, plan, ratio, self.cuda)
-        trace = results.cell_trace(loaded, self.describe(), cell, plan, observation, self.h2d, self.cuda)
-        return engine_result(trace, self.ctx.slo)
+        cell_trace = trace.cell_trace(loaded, self.describe(), cell, plan, observation, self.h2d, self.cuda)
+        return engine_result(cell_trace, self.ctx.slo)

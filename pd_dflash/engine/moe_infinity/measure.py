@@ -334,8 +334,12 @@ def measure(
     speculator = loaded.speculator if plan.speculative else None
     timings: dict[str, float] = {}
     telemetry_start = nvml.telemetry(0) if cuda else None
-    prompts = build_prompts(loaded.tokenizer, workload, workload.requests)
-    warm = build_prompts(loaded.tokenizer, workload, workload.warmup_rounds, salt=1)
+    seed = cell.sample_seed  # the repeat's sample: prompts, their order and the sampler's generator
+    prompts = build_prompts(loaded.tokenizer, workload, workload.requests, seed=seed)
+    warm = build_prompts(loaded.tokenizer, workload, workload.warmup_rounds, seed=seed, salt=1)
+    import torch
+
+    torch.manual_seed(seed)
     with ExitStack() as stack:
         t = time.perf_counter()
         bindings: dict[str, int] = {}

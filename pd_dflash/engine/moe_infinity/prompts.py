@@ -3,11 +3,14 @@
 Upstream ran one fixed prompt for every request (its per-cell ``measure_configuration``). Real target/drafter pairs
 need natural text for realistic acceptance, so "synthetic" here is a fixed set of technical paragraphs, the
 first one upstream's prompt, tokenized once and cut into deterministic windows of ``prompt_tokens`` tokens
-(request i starts at a seed-dependent offset), so every request differs and every run repeats.
+(request i starts at a seed-dependent offset), so every request differs and every run repeats. The seed is the
+cell's repeat sample (``Cell.sample_seed``): every configuration of a repeat gets the same prompts, each repeat
+others (a prompt file is read in its order for repeat 0 and in a seeded permutation of it for the others).
 """
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +42,12 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
-def build_prompts(tokenizer: Any, workload: Workload, count: int, *, salt: int = 0) -> list[list[int]]:
-    """``count`` prompts (token id lists) for the workload; ``salt`` separates warm-up from timed prompts."""
+def build_prompts(
+    tokenizer: Any, workload: Workload, count: int, *, seed: int | None = None, salt: int = 0
+) -> list[list[int]]:
+    """``count`` prompts (token id lists) for the workload, drawn from ``seed`` (the cell's repeat sample,
+    ``Cell.sample_seed``; default the spec's seed); ``salt`` separates warm-up from timed prompts."""
+    seed = workload.seed if seed is None else seed
     if workload.prompts == "synthetic":
         corpus = [t for text in SYNTHETIC_TEXTS for t in _encode(tokenizer, text)]
         if not corpus:
@@ -48,7 +55,7 @@ def build_prompts(tokenizer: Any, workload: Workload, count: int, *, salt: int =
         n = workload.prompt_tokens
         prompts = []
         for i in range(count):
-            offset = (workload.seed + salt * 104_729 + i * 7_919) % len(corpus)
+            offset = (seed + salt * 104_729 + i * 7_919) % len(corpus)
             prompts.append([corpus[(offset + j) % len(corpus)] for j in range(n)])
         return prompts
     path = Path(workload.prompts)
@@ -62,4 +69,8 @@ def build_prompts(tokenizer: Any, workload: Workload, count: int, *, salt: int =
     encoded = [ids for ids in encoded if ids]
     if not encoded:
         raise InputError(f"prompt file {path} has no non-empty prompt", where="workload.prompts")
-    return [encoded[(salt + i) % len(encoded)] for i in range(count)]
+    # The file's order for the spec's own seed (repeat 0), a seeded permutation of it for another sample.
+    order = list(range(len(encoded)))
+    if seed != workload.seed:
+        random.Random(seed).shuffle(order)
+    return [encoded[order[(salt + i) % len(encoded)]] for i in range(count)]

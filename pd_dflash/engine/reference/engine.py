@@ -1,10 +1,10 @@
 """``ReferenceEngine``: pd-dflash's own offloaded-MoE engine behind the ``Engine`` interface.
 
-Load once (model + host expert store + device), then per cell: build the cell's expert cache (bounded and
-linked for offloaded configurations, fully resident otherwise), its decoding, prefetcher and admission, warm up,
-measure the timed requests with continuous batching at the cell's concurrency, and assemble the row. What each
-configuration decodes with, prefetches with and admits by comes from its entry in ``pd_dflash/baselines.py``
-(a resident configuration's AR prefetcher only observes: its rows carry no prediction counts).
+Load once (model + host expert store + device), then per cell: resolve its configuration once (``cell.py``),
+build its expert cache (bounded and linked for offloaded configurations, fully resident otherwise), its decoding,
+prefetcher and admission (``cell.py``'s factories, keyed by its entry in ``pd_dflash/baselines.py``), warm up,
+measure the timed requests with continuous batching at the cell's concurrency, and assemble the row (a resident
+configuration's AR prefetcher only observes: its rows carry no prediction counts).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import pd_dflash
 from pd_dflash.engine import measurement, nvml
 from pd_dflash.engine.interface import Engine, EngineContext, Refused
 from pd_dflash.engine.probe import measure_h2d_bytes_per_second
-from pd_dflash.engine.reference.decoding.admission import scheduler_for
-from pd_dflash.engine.reference.decoding.cell import CellDecodings
+from pd_dflash.engine.reference import cell as parts
+from pd_dflash.engine.reference.cell import ConfiguredCell, PartInputs, configured
 from pd_dflash.engine.reference.decoding.loop import RoundRecord, run_requests
 from pd_dflash.engine.reference.decoding.target import Request, TargetModel
-from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts, cell_trace
+from pd_dflash.engine.reference.drafters import Drafters
 from pd_dflash.engine.reference.models import load_model, make_prompts
 from pd_dflash.engine.reference.offload.cell import Offload, expert_cache_capacity
 from pd_dflash.engine.reference.offload.memory import (
@@ -38,9 +38,11 @@ from pd_dflash.engine.reference.offload.memory import (
 from pd_dflash.engine.reference.offload.runtime import OffloadRuntime, install_offload
 from pd_dflash.engine.reference.offload.store import HostExpertStore
 from pd_dflash.engine.reference.options import ReferenceOptions
+from pd_dflash.engine.reference.positions import refuse_beyond_positions
 from pd_dflash.engine.reference.prompts import prompt_facts
 from pd_dflash.engine.reference.requirements import require_transformers
 from pd_dflash.engine.reference.seams import Admission, Decoding
+from pd_dflash.engine.reference.trace import CellMeasurement, LinkFacts, cell_trace
 from pd_dflash.errors import InputError
 from pd_dflash.schema import EngineResult, Status
 from pd_dflash.spec import Cell
@@ -50,6 +52,7 @@ from pd_dflash.spec import Cell
 class _CellSetup:
     """One cell's pieces, built before its warm-up."""
 
+    configured: ConfiguredCell
     warm: list[Request]
     timed: list[Request]
     decoding: Decoding
@@ -58,7 +61,7 @@ class _CellSetup:
     drafter_load_seconds: float | None
     runtime: OffloadRuntime
     link: LinkFacts
-    scheduler: Admission
+    admission: Admission
     telemetry_start: dict[str, Any] | None
     setup_seconds: float
 
@@ -118,11 +121,9 @@ class ReferenceEngine(Engine):
             if self.device.type == "cuda" and self.load_refusal is None
             else None
         )
-        self.decodings = CellDecodings(
-            self.target, self.loaded, ctx.model, self.options, ctx.workload.temperature
-        )
+        self.drafters = Drafters(self.target, self.loaded, ctx.model, self.options)
         #: What each cell's offload is built from (None when the load was refused: no cell runs).
-        self.offload = None
+        self.offload: Offload | None = None
         if self.store is not None:
             self.offload = Offload(
                 self.target,
@@ -170,7 +171,6 @@ class ReferenceEngine(Engine):
             "storage_dtype": self.storage_dtype,
             "top_k": self.top_k,
             "eviction": self.options.eviction,
-            "prefetcher": self.options.prefetcher,
             "load_seconds": self.load_seconds,
             "threads": torch.get_num_threads(),
         }
@@ -195,8 +195,8 @@ class ReferenceEngine(Engine):
         requests → the row."""
         if self.load_refusal is not None:
             raise self.load_refusal
-        capacity = self.cache_capacity(cell)
-        with self._setup(cell, capacity) as setup:
+        cc = configured(cell)
+        with self._setup(cc, self._capacity(cc)) as setup:
             warm_seconds = self._warm_up(cell, setup)
             rounds, timed_seconds = self._timed(cell, setup)
             measured = self._measurement(setup, rounds, warm_seconds, timed_seconds)
@@ -205,40 +205,57 @@ class ReferenceEngine(Engine):
             return result
 
     def close(self) -> None:
-        self.target = None
-        self.loaded = None
-        self.decodings = None
+        for name in ("target", "loaded", "drafters"):  # the model, its drafters and their memory
+            self.__dict__.pop(name, None)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     # -- the steps of a cell -----------------------------------------------------------------------------------
     @contextmanager
-    def _setup(self, cell: Cell, capacity: int) -> Iterator[_CellSetup]:
-        """The cell's requests, decoding (the drafter loads at the first speculative cell), expert cache,
-        prefetcher and scheduler; the cache and its link are closed when the cell ends."""
-        start = time.perf_counter()
+    def _setup(self, cc: ConfiguredCell, capacity: int) -> Iterator[_CellSetup]:
+        """The cell's requests and parts (the drafter loads at the first speculative cell), its expert cache and
+        runtime; the cache and its link are closed when the cell ends."""
+        start, cell, offload = time.perf_counter(), cc.cell, self._offload()
         wl = self.ctx.workload
         warm = self._requests(cell, wl.warmup_rounds, max_new=cell.block_size, stream=1, tag="warmup")
         timed = self._requests(cell, wl.requests, max_new=cell.max_new_tokens, stream=0, tag="r")
-        decoding, drafter_facts, drafter_load = self.decodings.for_cell(
-            cell
-        )  # on the device before the check
+        config = self.target.model.config
+        refuse_beyond_positions(
+            cell, warm + timed, getattr(config, "max_position_embeddings", None), self.ctx.model.id
+        )
+        inputs = PartInputs(
+            cell=cell,
+            configuration=cc.configuration,
+            options=self.options,
+            target=self.target,
+            store=offload.store,
+            top_k=self.top_k,
+            temperature=wl.temperature,
+            drafters=self.drafters,
+            link_bytes_per_second=self.link_bytes_per_second(cell),
+            longest_prompt=max(len(r.prompt) for r in warm + timed),
+        )
+        decoding, drafter_facts = parts.decoding(inputs)  # on the device before the check
+        drafter_load = self.drafters.last_load_seconds if decoding.speculative else None
+        available, where = self.device_available_bytes(), "device"
+        if available is None:  # the CPU engine: its expert cache and KV cache are host memory
+            available, where = self.host_available_bytes(), "host"
         require_cell_device_memory(
             cell,
-            self.store,
+            cc.configuration,
+            offload.store,
             capacity,
             self.target.model.config,
             self.compute_dtype,
             tokens=max(len(r.prompt) + r.max_new_tokens for r in warm + timed) + cell.block_size,
-            available=self.device_available_bytes(),
+            available=available,
+            where=where,
         )
-        runtime, link = self.offload.runtime(cell, capacity)
+        prefetcher = parts.prefetcher(inputs)
+        runtime, link = offload.runtime(cell, cc.configuration, capacity, prefetcher)
         try:
-            longest_prompt = max(len(r.prompt) for r in warm + timed)
-            scheduler = scheduler_for(
-                cell, self.options, runtime, self.top_k, longest_prompt, self.link_bytes_per_second(cell)
-            )
             yield _CellSetup(
+                configured=cc,
                 warm=warm,
                 timed=timed,
                 decoding=decoding,
@@ -246,7 +263,7 @@ class ReferenceEngine(Engine):
                 drafter_load_seconds=drafter_load,
                 runtime=runtime,
                 link=link,
-                scheduler=scheduler,
+                admission=parts.admission(inputs, prefetcher, runtime.cache.contains),
                 telemetry_start=nvml.telemetry(0) if self.device.type == "cuda" else None,
                 setup_seconds=time.perf_counter() - start,
             )
@@ -257,12 +274,12 @@ class ReferenceEngine(Engine):
     def _warm_up(self, cell: Cell, setup: _CellSetup) -> float:
         """Serve the warm-up requests, then reset the counters and statistics (cache contents and prefetch
         history stay warm); returns its seconds."""
-        torch.manual_seed(self.ctx.workload.seed)
+        torch.manual_seed(cell.sample_seed)
         start = time.perf_counter()
         if setup.warm:
             self._serve(cell, setup.warm, setup)
         setup.runtime.reset_measurement()
-        setup.scheduler.reset()
+        setup.admission.reset()
         return time.perf_counter() - start
 
     def _timed(self, cell: Cell, setup: _CellSetup) -> tuple[list[RoundRecord], float]:
@@ -281,10 +298,12 @@ class ReferenceEngine(Engine):
         telemetry = None
         if setup.telemetry_start is not None:
             telemetry = {"start": setup.telemetry_start, "end": nvml.telemetry(0)}
-        engine = {**self.describe(), **(runtime.prefetcher.describe() if runtime.prefetcher else {})}
+        prefetcher = runtime.prefetcher
+        engine = {**self.describe(), "prefetcher": setup.configured.configuration.prefetcher}
+        engine.update(prefetcher.describe() if prefetcher is not None else {})
         engine["decoding"] = "speculative" if setup.decoding.speculative else "autoregressive"
         engine["drafter"] = setup.drafter_facts
-        engine["scheduler"] = setup.scheduler.describe()
+        engine["scheduler"] = setup.admission.describe()  # the row's key for the admission (docs/metrics.md)
         engine["prompts"] = prompt_facts(self.ctx.workload, self.loaded.chat, setup.timed)
         timings = {"setup": setup.setup_seconds, "warmup": warm_seconds, "timed": timed_seconds}
         # Only in the cell that trained the drafter, waited on another runner's training, or loaded it.
@@ -304,19 +323,30 @@ class ReferenceEngine(Engine):
 
     # -- cell pieces ---------------------------------------------------------------------------------------------
     def cache_capacity(self, cell: Cell) -> int:
-        return expert_cache_capacity(cell, self.store, self.options, self.ctx.memory)
+        """The cell's expert-cache capacity in bytes (``offload/cell.expert_cache_capacity``)."""
+        return self._capacity(configured(cell))
+
+    def _capacity(self, cc: ConfiguredCell) -> int:
+        store = self._offload().store
+        return expert_cache_capacity(cc.cell, cc.configuration, store, self.options, self.ctx.memory)
+
+    def _offload(self) -> Offload:
+        """What every cell's offload is built from (a refused load has none: its refusal is raised)."""
+        if self.offload is None:
+            raise self.load_refusal or RuntimeError("the engine loaded no expert store")
+        return self.offload
 
     def link_bytes_per_second(self, cell: Cell) -> float | None:
         """The link's rate for this cell as known before it runs (``offload/cell.py``)."""
-        return self.offload.link_bytes_per_second(cell)
+        return self._offload().link_bytes_per_second(cell)
 
     def _requests(self, cell: Cell, n: int, *, max_new: int, stream: int, tag: str) -> list[Request]:
-        wl = self.ctx.workload
+        wl, seed = self.ctx.workload, cell.sample_seed  # the repeat's sample: prompts, order, sampling
         if n == 0:
             return []
         try:
             prompts = make_prompts(
-                self.loaded, wl.prompts, n, wl.prompt_tokens, wl.seed + 1_000_003 * stream, wl.chat_date
+                self.loaded, wl.prompts, n, wl.prompt_tokens, seed + 1_000_003 * stream, wl.chat_date
             )
         except InputError as exc:  # e.g. an instruct target's tokenizer without a chat template
             raise Refused(Status.REFUSED, str(exc)) from None
@@ -325,7 +355,7 @@ class ReferenceEngine(Engine):
             gen = None
             if wl.temperature > 0:
                 gen = torch.Generator(device=self.device)
-                gen.manual_seed(wl.seed * 1_000_003 + 7919 * stream + i)
+                gen.manual_seed(seed * 1_000_003 + 7919 * stream + i)
             out.append(Request(f"{tag}{i}", prompt, max_new, self.loaded.eos_token_ids, gen))
         return out
 
@@ -336,7 +366,7 @@ class ReferenceEngine(Engine):
             concurrency=cell.concurrency,
             decoding=setup.decoding,
             hooks=setup.runtime,
-            scheduler=setup.scheduler,
+            admission=setup.admission,
         )
 
 

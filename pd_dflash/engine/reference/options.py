@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PositiveInt = Annotated[int, Field(ge=1)]
 
@@ -27,8 +27,6 @@ class ReferenceOptions(BaseModel):
     eviction: Literal["plan", "lru", "lfu"] = "plan"
     #: Device expert-cache capacity in bytes for offloaded cells (overrides memory.expert_cache_fraction).
     expert_cache_bytes: PositiveInt | None = None
-    #: The AR prefetcher of B0/B1/B2 ("none" = on-demand fetches only).
-    prefetcher: Literal["activation_aware", "none"] = "activation_aware"
     #: Compute dtype of the target ("auto": a preset's fp32, a checkpoint's own dtype).
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     #: Seed of a preset's training (part of the preset cache key).
@@ -53,3 +51,14 @@ class ReferenceOptions(BaseModel):
     scheduler_cap_bytes: PositiveInt | None = None
     #: Directory for trained presets and drafters (default: $PD_DFLASH_CACHE or ~/.cache/pd-dflash).
     cache_dir: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_prefetcher(cls, data: Any) -> Any:
+        """The prefetcher is the configuration's (``baselines.py``), not an option: say so instead of "extra"."""
+        if isinstance(data, dict) and "prefetcher" in data:
+            raise ValueError(
+                "prefetcher is no engine option: each configuration names its prefetcher in pd_dflash/baselines.py "
+                "(prefetcher: none there is an on-demand-only configuration); drop engine_options.prefetcher"
+            )
+        return data

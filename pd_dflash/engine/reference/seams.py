@@ -8,10 +8,13 @@ A configuration (``pd_dflash/baselines.py``) is a choice of one implementation p
 | ``Drafter`` (speculative decoding's proposer) | ``dflash/source.DFlashSource`` (published layout: published and preset drafters), ``decoding/speculative.EarlyExitDrafter`` |
 | ``Prefetcher`` | ``offload/prefetch.ActivationAwarePrefetcher`` (the AR prefetcher), ``offload/route_prefetch.RouteAheadPrefetcher`` |
 | ``Admission`` | ``decoding/loop.AdmitAll``, ``decoding/admission.DeficitAdmission`` (token or 2-D deficit) |
+| ``RoundHooks`` (around each forward) | ``offload/runtime.OffloadRuntime``, ``decoding/loop.RoundHooks`` (no-op) |
 | ``Link`` (host→device) | ``offload/link.HostLink`` (CPU: emulated or a plain copy), ``offload/cuda_link.CudaLink`` |
 
-Where a cell picks each one: ``decoding/cell.py`` (decoding, drafter), ``decoding/admission.py`` (admission),
-``offload/cell.py`` (link, prefetcher).
+Where a cell picks each one: ``cell.py``'s factories, keyed by the table's fields (decoding, prefetcher,
+admission), ``drafters.py`` (the drafter), ``offload/cell.py`` (the link). The consumers take these types:
+``decoding/loop.py`` (decoding, admission), ``decoding/speculative.py`` (drafter), ``offload/runtime.py``
+(prefetcher).
 
 Only the structure is declared here (``typing.Protocol``); each implementation documents its policy.
 """
@@ -22,9 +25,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from pd_dflash.engine.reference.decoding.target import Block, Commit, Request
+    from pd_dflash.engine.reference.offload.cache import ExpertCache
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -34,6 +39,8 @@ class Decoding(Protocol):
 
     #: A drafted block per round (False: one token a round).
     speculative: bool
+    #: The widest block a round verifies after the prefill (1: AR; the KV arena is reserved for it).
+    block_size: int
     #: Hidden-state indices the verify forward keeps for the drafter (HF ``output_hidden_states`` numbering).
     capture: tuple[int, ...]
 
@@ -71,26 +78,28 @@ class Prefetcher(Protocol):
     issue: bool
     #: The verified round's predicted experts per MoE layer (what the statistics compare with the routing).
     predicted: dict[int, frozenset[int]]
+    #: What it issued, by outcome (the row's ``engine.prediction.issue``); empty when it counts nothing.
+    counters: dict[str, int]
 
     def describe(self) -> dict[str, Any]: ...
 
-    def route(self, blocks: list[Block], cache: Any) -> bool:
+    def route(self, blocks: list[Block], cache: ExpertCache) -> bool:
         """New blocks before scheduling: a router pass over them when this prefetcher has one (True if it ran)."""
         ...
 
-    def begin_round(self, cache: Any, owners: list[tuple[Any, int]]) -> None:
+    def begin_round(self, cache: ExpertCache, owners: list[tuple[Any, int]]) -> None:
         """Before the verify forward: ``owners`` = (request id, rows) in row order."""
         ...
 
-    def after_layer(self, cache: Any, layer: int, routed: torch.Tensor) -> None:
-        """A verify layer's routing ``[tokens, k]`` is known (its experts are being acquired)."""
+    def after_layer(self, cache: ExpertCache, layer: int, routed: torch.Tensor | np.ndarray) -> None:
+        """A verify layer's routing ``[tokens, k]`` on the host is known (its experts are being acquired)."""
         ...
 
-    def layer_done(self, cache: Any, layer: int) -> None:
+    def layer_done(self, cache: ExpertCache, layer: int) -> None:
         """A verify layer has computed (its slots may be reused)."""
         ...
 
-    def end_round(self, cache: Any, kept_spans: list[tuple[int, int]], finished: set) -> None:
+    def end_round(self, cache: ExpertCache, kept_spans: list[tuple[int, int]], finished: set[Any]) -> None:
         """After the accept rule: the kept row span of each verified block, and the requests that finished."""
         ...
 
@@ -105,6 +114,21 @@ class Prefetcher(Protocol):
     def forget(self, rid: Any) -> None:
         """The request left: drop what is kept about it."""
         ...
+
+
+class RoundHooks(Protocol):
+    """What the step loop calls around each target forward (``offload/runtime.OffloadRuntime``; the no-op
+    ``decoding/loop.RoundHooks`` when nothing is offloaded)."""
+
+    def plan(self, blocks: list[Block]) -> bool:
+        """Predict the new blocks' experts before admission; True when a router pass ran."""
+        ...
+
+    def begin_round(self, owners: list[tuple[Any, int]]) -> None: ...
+
+    def end_round(self, *, kept_spans: list[tuple[int, int]], finished: set[Any] | None = None) -> None: ...
+
+    def forget(self, rid: Any) -> None: ...
 
 
 class Admission(Protocol):

@@ -12,8 +12,15 @@ from typing import Any
 from pd_dflash.engine.reference.checkpoints.check import check_checkpoint
 from pd_dflash.engine.reference.checkpoints.resolve import TINY_REAL, resolve
 from pd_dflash.engine.reference.dflash.config import check_drafter
+from pd_dflash.engine.reference.families import checkpoint_family
+from pd_dflash.engine.reference.positions import (
+    PromptTexts,
+    check_positions,
+    checkpoint_prompt_length,
+    preset_prompt_length,
+)
 from pd_dflash.engine.reference.presets.catalog import PRESETS
-from pd_dflash.engine.reference.prompts import load_prompt_texts, prompt_kind
+from pd_dflash.engine.reference.prompts import load_prompt_texts, needs_chat_template, prompt_kind
 from pd_dflash.errors import InputError
 from pd_dflash.spec_inputs import prompt_file
 
@@ -28,8 +35,15 @@ def check_spec(spec: Any) -> list[str]:
     text_prompts = prompt_kind(spec.workload.prompts) != "synthetic"
     _check_prompt_content(spec.workload.prompts)
     notes = []
+    texts = PromptTexts(spec.workload.prompts)
     for i, m in enumerate(spec.models):
         if m.preset is not None or _is_preset_name(m.id):
+            preset = PRESETS.get(m.preset or m.id)  # an unknown one is registry.check's to name
+            if preset is not None:
+                bound = f"max_positions of preset {preset.name}"
+                check_positions(
+                    spec, i, m.id, preset.max_positions, bound, preset_prompt_length(spec, texts, preset)
+                )
             continue
         found = resolve(m.id, m.path, env=env)
         if found.source == "tiny-real":
@@ -66,6 +80,15 @@ def check_spec(spec: Any) -> list[str]:
             )
         except InputError as exc:
             raise InputError(str(exc), where=f"models.{i}") from None
+        chat = text_prompts and needs_chat_template(m.id, checkpoint_family(checked.config, "config.json"))
+        check_positions(
+            spec,
+            i,
+            m.id,
+            checked.config.get("max_position_embeddings"),
+            f"max_position_embeddings in {found.directory / 'config.json'}",
+            checkpoint_prompt_length(spec, found.directory, texts, chat=chat),
+        )
         if note:
             notes.append(f"{m.id}: {note}")
     return notes

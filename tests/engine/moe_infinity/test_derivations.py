@@ -13,8 +13,9 @@ import pytest
 
 from pd_dflash.engine import measurement
 from pd_dflash.engine.measurement import CellTrace, ExpertCacheTrace, LinkFacts, PrefetchTrace, engine_result
-from pd_dflash.engine.moe_infinity import measure, results
+from pd_dflash.engine.moe_infinity import measure
 from pd_dflash.engine.moe_infinity import metrics as m
+from pd_dflash.engine.moe_infinity import trace as results
 from pd_dflash.engine.moe_infinity.cells import CellPlan
 from pd_dflash.engine.moe_infinity.measure import CounterBaseline, Loop, Observation
 from pd_dflash.engine.moe_infinity.metrics import RequestTrace

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from pd_dflash.engine.moe_infinity.prompts import UPSTREAM_PROMPT, build_prompts
+from pd_dflash.engine.moe_infinity.prompts import SYNTHETIC_TEXTS, UPSTREAM_PROMPT, build_prompts
 from pd_dflash.errors import InputError
 from pd_dflash.schema import Status
-from pd_dflash.spec import Workload
+from pd_dflash.spec import Workload, sample_seed
 from tests.engine.moe_infinity.fakes import SMALL, cell, import_fake, make_spec, run
 
 
@@ -108,3 +108,18 @@ def test_cuda_rows_carry_the_probe_and_telemetry(monkeypatch, tmp_path, tokenize
         and telemetry["end"]["time"] >= telemetry["start"]["time"]
     )
     assert result.engine["device_identity"]["uuid"].startswith("GPU-")
+
+
+def test_each_repeat_sample_draws_other_prompts(tmp_path, tokenizer_dir):
+    """``seed`` is the cell's repeat sample (``Cell.sample_seed``): the spec's seed keeps the prompts above, another
+    seed draws other windows and another order of a prompt file."""
+    tok = _tokenizer(tokenizer_dir)
+    workload = Workload(prompt_tokens=12, seed=1408)
+    assert build_prompts(tok, workload, 6, seed=1408) == build_prompts(tok, workload, 6)
+    assert build_prompts(tok, workload, 6, seed=99) != build_prompts(tok, workload, 6)
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(SYNTHETIC_TEXTS) + "\n")
+    file_workload = Workload(prompts=str(path), seed=1408)
+    first = build_prompts(tok, file_workload, 8)
+    other = build_prompts(tok, file_workload, 8, seed=sample_seed(1408, 1))
+    assert sorted(other) == sorted(first) and other != first  # the same prompts, in another order

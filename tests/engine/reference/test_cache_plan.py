@@ -3,11 +3,9 @@ metrics built on the cache: prefetched-in-time coverage and experts moved per to
 
 from __future__ import annotations
 
-import time
-
+import pytest
 import torch
 
-from pd_dflash.engine.reference.metrics import experts_moved_per_token
 from pd_dflash.engine.reference.offload.cache import ExpertCache
 from pd_dflash.engine.reference.offload.eviction import (
     COMPUTED,
@@ -21,7 +19,8 @@ from pd_dflash.engine.reference.offload.eviction import (
 from pd_dflash.engine.reference.offload.link import HostLink
 from pd_dflash.engine.reference.offload.replay import clairvoyant_in_time, replay
 from pd_dflash.engine.reference.offload.runtime import OffloadRuntime
-from tests.engine.reference.helpers import store
+from pd_dflash.engine.reference.trace import experts_moved_per_token
+from tests.engine.reference.helpers import SimClock, store
 
 CPU = torch.device("cpu")
 
@@ -137,13 +136,20 @@ def test_experts_moved_per_token_counts_every_transfer():
 
 
 class HandPrefetcher:
-    """A prefetcher with a fixed prediction (the decode loop's hook protocol, nothing else)."""
+    """A prefetcher with a fixed prediction (``seams.Prefetcher``: every call, each a no-op but the prefetch)."""
 
     name = "hand"
     issue = True
 
     def __init__(self, predicted: dict[int, frozenset[int]], fetch: list[tuple[int, int]]) -> None:
         self.predicted, self.fetch = predicted, fetch
+        self.counters: dict[str, int] = {}
+
+    def describe(self) -> dict:
+        return {"prefetcher": self.name}
+
+    def route(self, blocks, cache) -> bool:
+        return False
 
     def begin_round(self, cache, owners) -> None:
         for key in self.fetch:
@@ -152,6 +158,18 @@ class HandPrefetcher:
     def after_layer(self, cache, layer, routed) -> None:
         pass
 
+    def layer_done(self, cache, layer) -> None:
+        pass
+
+    def end_round(self, cache, kept_spans, finished) -> None:
+        pass
+
+    def keys(self, rid) -> set:
+        return set()
+
+    def in_flight(self, rid) -> bool:
+        return False
+
     def forget(self, rid) -> None:
         pass
 
@@ -159,13 +177,15 @@ class HandPrefetcher:
 def test_prefetched_in_time_coverage_by_hand():
     s = store(layers=2, experts=4)
     gbps = s.expert_nbytes / 0.05 / 1e9  # 50 ms per expert on the link
-    cache = ExpertCache(s, s.total_bytes - s.expert_nbytes, CPU, torch.float32, link=HostLink(gbps))
+    clock = SimClock()  # the link's own clock: 60 ms pass exactly, however long the host takes
+    link = HostLink(gbps, clock=clock, sleep=clock.sleep)
+    cache = ExpertCache(s, s.total_bytes - s.expert_nbytes, CPU, torch.float32, link=link)
     # Predicted: {0, 1} at layer 0, {2} at layer 1; prefetched at round start: (0, 0) (on the link 0-50 ms),
     # then (1, 2) (50-100 ms).
     prefetcher = HandPrefetcher({0: frozenset({0, 1}), 1: frozenset({2})}, [(0, 0), (1, 2)])
     runtime = OffloadRuntime(s, cache, prefetcher)
     runtime.begin_round([("r", 1)])
-    time.sleep(0.06)
+    clock.sleep(0.06)
     computed = []
 
     def compute(experts, whole):
@@ -211,10 +231,13 @@ def test_clairvoyant_in_time_by_hand():
 
 def test_the_runtime_records_each_layer_on_the_timeline():
     """One (start, end, waited) per MoE layer of the round, in order; the waits add up to the cache's exposed
-    seconds (counted a second way, by the cache)."""
+    seconds (counted a second way, by the cache). The waits are on the emulated link's own clock (time passes
+    only while the link sleeps), so they are exact whatever the machine's load."""
     s = store(layers=2, experts=4)
     gbps = s.expert_nbytes / 0.02 / 1e9  # 20 ms per expert on the link
-    cache = ExpertCache(s, s.total_bytes - s.expert_nbytes, CPU, torch.float32, link=HostLink(gbps))
+    clock = SimClock()
+    link = HostLink(gbps, clock=clock, sleep=clock.sleep)
+    cache = ExpertCache(s, s.total_bytes - s.expert_nbytes, CPU, torch.float32, link=link)
     runtime = OffloadRuntime(s, cache, HandPrefetcher({}, []))
     runtime.begin_round([("r", 1)])
     runtime.run_layer(0, torch.tensor([[0]]), lambda *a: None)
@@ -222,6 +245,7 @@ def test_the_runtime_records_each_layer_on_the_timeline():
     runtime.end_round(kept_rows=1)
     ((first, second),) = runtime.timeline
     assert first[0] <= first[1] <= second[0] <= second[1]
-    assert first[2] >= 0.015 and second[2] >= 0.03  # one expert, then two, fetched on demand
+    # one expert, then two one after the other on the demand stream, fetched on demand
+    assert first[2] == pytest.approx(0.02) and second[2] == pytest.approx(0.04)
     assert abs(first[2] + second[2] - cache.counters.exposed_seconds) < 1e-9
     runtime.close()

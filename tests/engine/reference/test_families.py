@@ -10,7 +10,6 @@ import pytest
 from pydantic import ValidationError
 
 from pd_dflash.engine.reference import families
-from pd_dflash.engine.reference.checkpoints.layouts import Source
 from pd_dflash.engine.reference.checkpoints.resolve import TINY_REAL
 from pd_dflash.engine.reference.checkpoints.tiny import TINY, TINY_CODE_FILES
 from pd_dflash.engine.reference.families import (
@@ -20,6 +19,7 @@ from pd_dflash.engine.reference.families import (
     expert_layout,
     family_named,
 )
+from pd_dflash.engine.reference.families.layouts import Source
 from pd_dflash.engine.reference.presets.catalog import PRESETS, Preset, build_config
 from pd_dflash.engine.reference.prompts import needs_chat_template
 from pd_dflash.errors import InputError

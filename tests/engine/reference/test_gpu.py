@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pd_dflash.engine.interface import EngineContext
+from pd_dflash.engine.reference.cell import configured
 from pd_dflash.engine.registry import engine_class
 from pd_dflash.errors import InputError
 from pd_dflash.schema import Row, Status
@@ -185,7 +186,7 @@ def test_the_next_draft_starts_before_cross_round_prefetches_finish(tmp_path):
     )
     engine = cuda_engine(spec)
     cell = expand(spec)[0]
-    with engine._setup(cell, engine.cache_capacity(cell)) as setup:
+    with engine._setup(configured(cell), engine.cache_capacity(cell)) as setup:
         rounds = engine._serve(cell, setup.timed, setup)
         setup.runtime.cache.drain()
         log = list(setup.runtime.cache.transfer_log)

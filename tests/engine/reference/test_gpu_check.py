@@ -23,7 +23,12 @@ DEVICE_CALL_S = 480
 
 def test_the_step_budgets_and_the_hard_limit_fit_one_device_call():
     assert sum(gpu_check.STEPS.values()) + 30 <= DEVICE_CALL_S  # gpu_check.sh: timeout = budget + 30 s
-    assert list(gpu_check.STEPS)[:2] == ["bundle", "preflight"]
+    assert list(gpu_check.STEPS)[:2] == ["bundle", "preflight"] and "real_size" in gpu_check.STEPS
+    shell = (REPO / "scripts" / "gpu_check.sh").read_text()
+    assert (
+        f"budget=$((cpu ? {3 * sum(gpu_check.STEPS.values()):g} : {sum(gpu_check.STEPS.values()):g}))"
+        in shell
+    )
 
 
 @pytest.mark.parametrize(
@@ -68,14 +73,16 @@ def micro_with_drafter(micro):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # a fresh cache trains micro's drafter first (minutes on 2 busy cores)
+@pytest.mark.timeout(
+    1500
+)  # a fresh cache trains micro's drafter first; real_size writes ~10 GB at real width
 def test_the_cpu_run_passes_every_step_and_writes_the_summary_shape(tmp_path, micro_with_drafter):
     summary = tmp_path / "gpu_check.json"
     proc = subprocess.run(
         [str(REPO / "scripts" / "gpu_check.sh"), str(summary), "--cpu"],
         capture_output=True,
         text=True,
-        timeout=480,
+        timeout=1400,
         cwd=REPO,
     )
     assert summary.exists(), proc.stderr
@@ -102,3 +109,72 @@ def test_the_cpu_run_passes_every_step_and_writes_the_summary_shape(tmp_path, mi
     assert "not available" in overhead.get("skipped", "") or overhead["result"]["status"] == "complete"
     pinning = data["steps"]["pinning"]
     assert pinning["host_copy_bytes_per_second"] > 0 and "skipped" in pinning["registration"]
+    assert data["step_budgets_s"] == {k: 3 * v for k, v in gpu_check.STEPS.items()}
+    check_real_size(data["steps"]["real_size"]["result"])
+
+
+#: One expert of Qwen3-Coder-30B-A3B in bf16: gate, up and down, 2048 × 768 each, 2 bytes.
+QWEN3_CODER_EXPERT_BYTES = 3 * 2048 * 768 * 2
+
+
+def check_real_size(result: dict) -> None:
+    """The real_size step's JSON: both targets at real width and 2 layers, every cell OK with the hide terms."""
+    assert result["status"] == "complete" and result["ok"] is True
+    assert "meaningless" in result["random_weights"]
+    targets = result["targets"]
+    assert set(targets) == {"qwen3-coder-30b-a3b", "gpt-oss-20b"}
+    assert targets["qwen3-coder-30b-a3b"]["engine"]["expert_nbytes"] == QWEN3_CODER_EXPERT_BYTES == 9_437_184
+    for name, target in targets.items():
+        assert target["layers"] == 2 and target["depth_factor"] == target["published_layers"] / 2, name
+        cells = {(c["baseline"], c["concurrency"]): c for c in target["cells"]}
+        assert set(cells) == {(b, c) for b in ("B0", "B3", "OURS") for c in (1, 4)}, name
+        # The step's budget decides how many cells run on a loaded machine: a cell is OK or said not run.
+        ran = {key: cell for key, cell in cells.items() if cell.get("not_run") != "budget spent"}
+        assert ("B0", 1) in ran, name  # the first cell always starts
+        for key, cell in ran.items():
+            assert cell["status"] == "OK", (name, key, cell.get("reason"))
+            terms = cell["hide_terms"]
+            assert {"t_fetch_s", "t_draft_s", "t_router_s", "t_verify_s"} <= set(terms), (name, key)
+            assert terms["t_verify_s"] > 0 and cell["ms_per_token"] > 0 and cell["expert_compute"]["path"]
+            if key[0] != "B3":  # offloaded at 25 %: misses are fetched over the (emulated) link
+                assert terms["t_fetch_s"] is not None and cell["h2d"]["bytes"] > 0, (name, key)
+        gemm = target["grouped_gemm_vs_gathered_bmm"]
+        assert gemm["grouped_mm_ms"] > 0 and gemm["gathered_bmm_ms"] > 0, name
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["--budget-s", "1e3"], "plain decimal number"),
+        (["--budget-s"], "--budget-s needs a value"),
+        (["--budget-s", "--cpu"], "--budget-s needs a value"),
+        (["--budget-s", "5"], "from 10 to 7200"),
+        (["--budget-s", "99999999999999999999"], "from 10 to 7200"),
+        (["--steps"], "--steps needs a value"),
+        (["--steps", "a,,b"], "comma-separated step names"),
+        (["--output", "x.json"], "unknown argument '--output'"),
+        (["--cpu", "extra.json"], "unknown argument 'extra.json'"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_summary_saying_why(tmp_path, args, why):
+    summary = tmp_path / "out" / "gpu_check.json"
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "gpu_check.sh"), str(summary), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    data = json.loads(summary.read_text())
+    assert data["ok"] is False and why in data["error"] and why in proc.stderr
+    assert data["steps"] == {}
+
+
+def test_an_unknown_step_is_refused_by_name_in_the_summary(tmp_path):
+    summary = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--output", str(summary), "--steps", "preflight,bogus"]) == 2
+    data = json.loads(summary.read_text())
+    assert data["ok"] is False and "bogus" in data["error"] and "real_size" in data["error"]
+    assert gpu_check.main(["--output", str(summary), "--budget-s", "nan"]) == 2
+    assert "--budget-s" in json.loads(summary.read_text())["error"]

@@ -19,8 +19,8 @@ import torch
 from pd_dflash.engine.probe import measure_h2d_bytes_per_second
 from pd_dflash.engine.reference.offload.cache import ExpertCache
 from pd_dflash.engine.reference.offload.cuda_link import CudaLink
-from pd_dflash.engine.reference.offload.spans import union_seconds
 from pd_dflash.engine.reference.offload.store import HostArena, HostExpertStore
+from pd_dflash.intervals import union_seconds
 from tests.engine.reference.helpers import record_figure
 
 pytestmark = [

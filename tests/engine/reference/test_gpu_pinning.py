@@ -11,8 +11,7 @@ import torch
 from pd_dflash.engine.interface import Refused
 from pd_dflash.engine.reference.checkpoints.check import check_checkpoint
 from pd_dflash.engine.reference.checkpoints.loader import LayerPinner, build_skeleton
-from pd_dflash.engine.reference.checkpoints.progress import LoadProgress
-from pd_dflash.engine.reference.checkpoints.reads import expert_reads, parameter_reads, read_all
+from pd_dflash.engine.reference.checkpoints.reads import LoadProgress, expert_reads, parameter_reads, read_all
 from pd_dflash.engine.reference.checkpoints.store import arena_layers
 from pd_dflash.engine.reference.checkpoints.tiny import materialise
 from pd_dflash.engine.reference.offload.store import PAGE

@@ -102,7 +102,8 @@ def test_the_fallback_gives_the_same_greedy_tokens(micro, monkeypatch):
     target, store = offloaded(model)
     want, _ = generate(target, runtime(target, store, fraction=0.3, gbps=None), prompts, 12, 2)
     monkeypatch.setattr(
-        "pd_dflash.engine.reference.offload.slot_pool.expert_compute_kind", lambda pool: GATHERED_BMM
+        "pd_dflash.engine.reference.offload.slot_pool.expert_compute_choice",
+        lambda pool: {"path": GATHERED_BMM, "why": "forced by the test"},
     )
     rt = runtime(target, store)
     assert rt.cache.slots.expert_compute == GATHERED_BMM
@@ -299,3 +300,67 @@ def test_a_large_cpu_pool_takes_the_gathered_bmm():
     assert grouped.expert_compute_kind(small) == GROUPED_MM
     assert grouped.expert_compute_kind(large) == GATHERED_BMM
     assert grouped.expert_compute_kind(misaligned) == GATHERED_BMM
+
+
+def _syncing_grouped_mm(x, w, offs):
+    """What ATen's mm-loop fallback does under ``set_sync_debug_mode("error")``: its host read of ``offs``."""
+    raise RuntimeError("called a synchronizing CUDA operation")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A CUDA device of a chosen capability whose ``_grouped_mm`` behaves as torch's does there: the device
+    kernel on majors 9 and 10, the syncing mm loop elsewhere (the probe's real code runs on CPU tensors)."""
+    state = {"mode": 0, "calls": 0}
+
+    def use(capability):
+        def grouped_mm(x, w, offs):
+            state["calls"] += 1
+            assert state["mode"] == 2, "the probe must run under set_sync_debug_mode('error')"
+            if capability[0] not in (9, 10):
+                _syncing_grouped_mm(x, w, offs)
+            return real(x, w, offs=offs)
+
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: state["mode"])
+        modes = {"default": 0, "warn": 1, "error": 2}
+        monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: state.update(mode=modes.get(m, m)))
+        monkeypatch.setattr(torch, "_grouped_mm", grouped_mm)
+        monkeypatch.setattr(grouped, "_PROBES", {})
+        return state
+
+    real, probe = torch._grouped_mm, grouped.probe_grouped_mm
+    monkeypatch.setattr(grouped, "probe_grouped_mm", lambda device: probe(torch.device("cpu")))
+    return use
+
+
+@pytest.mark.parametrize(
+    ("capability", "path"),
+    [((12, 0), GATHERED_BMM), ((9, 0), GROUPED_MM), ((10, 0), GROUPED_MM), ((8, 0), GATHERED_BMM)],
+)
+def test_the_cuda_path_is_grouped_mm_only_where_torch_runs_its_fast_kernel(fake_cuda, capability, path):
+    state = fake_cuda(capability)
+    choice = grouped.cuda_choice(torch.device("cuda", 0), torch.bfloat16)
+    assert choice["path"] == path and choice["capability"] == list(capability)
+    assert state["calls"] == 1 and state["mode"] == 0  # probed once, the debug mode restored
+    assert choice["probe"]["sync_free"] == (capability[0] in (9, 10))
+    if path == GATHERED_BMM:
+        assert f"{capability[0]}.{capability[1]}" in choice["why"]
+    else:
+        assert choice["probe"]["matches_mm"] is True
+    again = grouped.cuda_choice(torch.device("cuda", 0), torch.bfloat16)
+    assert again == choice and state["calls"] == 1  # once per device and process
+
+
+def test_a_syncing_probe_on_an_admitted_major_takes_the_gathered_bmm(fake_cuda, monkeypatch):
+    fake_cuda((9, 0))
+    monkeypatch.setattr(torch, "_grouped_mm", _syncing_grouped_mm)
+    choice = grouped.cuda_choice(torch.device("cuda", 0), torch.bfloat16)
+    assert choice["path"] == GATHERED_BMM and choice["probe"]["sync_free"] is False
+    assert "synchronizing" in choice["why"] and "synchronizing" in choice["probe"]["error"]
+
+
+def test_cuda_grouped_mm_is_bf16_only(fake_cuda):
+    fake_cuda((9, 0))
+    choice = grouped.cuda_choice(torch.device("cuda", 0), torch.float32)
+    assert choice["path"] == GATHERED_BMM and "bf16" in choice["why"]

@@ -118,8 +118,8 @@ def test_a_runner_needs_its_experts_as_stored_and_its_other_weights_in_host_memo
     weights in the compute dtype."""
     import shutil
 
+    from pd_dflash.engine.reference.checkpoints.host_memory import runner_host_memory_bytes
     from pd_dflash.engine.reference.checkpoints.tiny import materialise
-    from pd_dflash.engine.reference.offload.host_memory import runner_host_memory_bytes
     from pd_dflash.spec import ModelSpec
     from tests.engine.reference.helpers import tiny_model
 

@@ -1,5 +1,5 @@
 """The reference engine's rows on a hand-built cell measurement whose answers are worked out here,
-independently of the code under test: ``pd_dflash/engine/reference/metrics.py`` turns the measurement into a
+independently of the code under test: ``pd_dflash/engine/reference/trace.py`` turns the measurement into a
 ``CellTrace`` and ``pd_dflash/engine/measurement.py`` derives the row from it.
 
 The cell: two requests, four rounds (the first a prefill of both), an expert store of 16 experts of 1,000 B,
@@ -33,10 +33,10 @@ from pd_dflash.engine.measurement import (
     phase_seconds,
     round_samples,
 )
-from pd_dflash.engine.reference import metrics
+from pd_dflash.engine.reference import trace as metrics
 from pd_dflash.engine.reference.decoding.loop import RoundRecord
-from pd_dflash.engine.reference.metrics import CellMeasurement, LinkFacts
 from pd_dflash.engine.reference.offload.cache import CacheCounters
+from pd_dflash.engine.reference.trace import CellMeasurement, LinkFacts
 from pd_dflash.engine.request_metrics import RequestTiming
 from pd_dflash.engine.route_ahead import RouteAheadStats
 from pd_dflash.schema import Status
@@ -93,7 +93,12 @@ def route_stats(nbytes: bool = True) -> RouteAheadStats:
 
 
 #: The cache's slot pool as the facts read it (``offload/slot_pool.py``).
-SLOTS = SimpleNamespace(expert_compute="grouped_mm", direct=True, device_slot_nbytes=NBYTES)
+SLOTS = SimpleNamespace(
+    expert_compute="grouped_mm",
+    expert_compute_facts={"path": "grouped_mm", "why": "test", "capability": None, "probe": None},
+    direct=True,
+    device_slot_nbytes=NBYTES,
+)
 
 
 def cache(**over) -> SimpleNamespace:
@@ -403,7 +408,7 @@ def test_prediction_facts_split_waste_into_mispredicted_and_rejected_rows():
     }
     assert facts["issue"] == {"issued": 4}
     sizeless = metrics.prediction_facts(
-        runtime(stats=route_stats(nbytes=False), prefetcher=SimpleNamespace()), NBYTES
+        runtime(stats=route_stats(nbytes=False), prefetcher=SimpleNamespace(counters={})), NBYTES
     )
     assert "mispredicted_bytes" not in sizeless and "issue" not in sizeless
     vacuous = metrics.prediction_facts(runtime(stats=RouteAheadStats()), NBYTES)

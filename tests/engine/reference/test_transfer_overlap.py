@@ -13,7 +13,7 @@ from pd_dflash.engine.reference.decoding.loop import RoundRecord
 from pd_dflash.engine.reference.offload.cache import ExpertCache
 from pd_dflash.engine.reference.offload.link import HostLink
 from pd_dflash.engine.reference.offload.overlap import transfer_overlap
-from pd_dflash.engine.reference.offload.spans import SpanUnion, merge, subtract, union_seconds
+from pd_dflash.intervals import SpanUnion, merge, subtract, union_seconds
 from tests.engine.reference.helpers import SimClock, store
 
 

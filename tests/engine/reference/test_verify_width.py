@@ -7,7 +7,7 @@ import pytest
 
 from pd_dflash.engine.reference.decoding.admission import ByteRate, DeficitAdmission
 from pd_dflash.engine.reference.decoding.deficit import TwoDimDeficitScheduler, VerifyDemand
-from pd_dflash.engine.reference.decoding.verify_width import CostAwareWidth, new_bytes_per_row
+from pd_dflash.engine.reference.offload.verify_width import CostAwareWidth, new_bytes_per_row
 
 
 def test_survival_counts_a_cut_block_only_for_the_rows_it_verified():

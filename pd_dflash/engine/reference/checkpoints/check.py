@@ -19,9 +19,9 @@ from pd_dflash.engine.reference.checkpoints.fields import (
     read_target_config,
 )
 from pd_dflash.engine.reference.checkpoints.files import CheckpointFiles, open_checkpoint
-from pd_dflash.engine.reference.checkpoints.layouts import ExpertLayout, config_dtype
 from pd_dflash.engine.reference.checkpoints.resolve import resolve
 from pd_dflash.engine.reference.families import checkpoint_family, expert_layout
+from pd_dflash.engine.reference.families.layouts import ExpertLayout, config_dtype
 from pd_dflash.engine.reference.prompts import needs_chat_template
 from pd_dflash.errors import InputError
 

@@ -21,9 +21,13 @@ from torch import nn
 
 from pd_dflash.engine.interface import Refused
 from pd_dflash.engine.reference.checkpoints.check import CheckedCheckpoint, check_checkpoint
-from pd_dflash.engine.reference.checkpoints.prealloc import LOOKAHEAD_BYTES
-from pd_dflash.engine.reference.checkpoints.progress import LoadProgress
-from pd_dflash.engine.reference.checkpoints.reads import expert_reads, parameter_reads, read_all
+from pd_dflash.engine.reference.checkpoints.reads import (
+    LOOKAHEAD_BYTES,
+    LoadProgress,
+    expert_reads,
+    parameter_reads,
+    read_all,
+)
 from pd_dflash.engine.reference.checkpoints.resolve import resolve
 from pd_dflash.engine.reference.checkpoints.store import (
     TORCH_DTYPES,

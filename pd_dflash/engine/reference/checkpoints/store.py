@@ -18,7 +18,7 @@ import mmap
 import torch
 
 from pd_dflash.engine.reference.checkpoints import mxfp4
-from pd_dflash.engine.reference.checkpoints.layouts import ExpertLayout
+from pd_dflash.engine.reference.families.layouts import ExpertLayout
 from pd_dflash.engine.reference.offload.store import PAGE, HostArena, HostExpertStore
 
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8}

@@ -27,12 +27,12 @@ from pd_dflash.engine.reference.families import FAMILIES, FAMILY_FILES, MoEFamil
 #: Each tiny checkpoint's family, by name (``resolve.TINY_REAL``: the names).
 TINY: dict[str, MoEFamily] = {f.tiny_name: f for f in FAMILIES.values() if f.tiny_name}
 #: The code that decides a tiny checkpoint's bytes (relative to ``engine/reference/``): its cache key.
-TINY_CODE_FILES = ("checkpoints/tiny.py", "checkpoints/tiny_files.py", *FAMILY_FILES)
+TINY_CODE_FILES = ("checkpoints/tiny.py", "families/tiny_files.py", *FAMILY_FILES)
 
 
 def materialise(name: str, cache_dir: str | None = None, seed: int = 0) -> Path:
     """The tiny checkpoint ``name`` in the engine cache, generated once (lock-protected, atomic publish)."""
-    from pd_dflash.engine.reference.presets.training import build_once, cache_root, code_version
+    from pd_dflash.engine.reference.artifacts import build_once, cache_root, code_version
 
     version = code_version(TINY_CODE_FILES)
     target = cache_root(cache_dir) / "checkpoints" / f"{name}-s{seed}-{version}"

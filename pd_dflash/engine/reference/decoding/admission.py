@@ -1,4 +1,4 @@
-"""The deficit schedulers (``pd_dflash/engine/reference/decoding/deficit.py``) on the decode loop's scheduler seam.
+"""The deficit schedulers (``decoding/deficit.py``) on the decode loop's admission seam (``seams.Admission``).
 
 Each scheduling step, every in-flight request has one pending block (its next verify round, drafted). The
 adapter turns them into ``VerifyDemand``s and returns the admitted blocks: those are verified together in this
@@ -20,72 +20,92 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pd_dflash.baselines import configuration
 from pd_dflash.engine.interface import Refused
 from pd_dflash.engine.reference.decoding.deficit import (
     EXPERT_BYTES,
     DeficitScheduler,
+    StepOutcome,
     TokenDeficitScheduler,
     TwoDimDeficitScheduler,
     VerifyDemand,
 )
-from pd_dflash.engine.reference.decoding.loop import AdmitAll
 from pd_dflash.engine.reference.decoding.target import Block
-from pd_dflash.engine.reference.offload.runtime import OffloadRuntime
 from pd_dflash.engine.reference.options import ReferenceOptions
+from pd_dflash.engine.reference.seams import Key, Prefetcher
 from pd_dflash.schema import Status
 from pd_dflash.spec import Cell
+
+if TYPE_CHECKING:
+    from pd_dflash.engine.reference.offload.store import HostExpertStore
 
 #: Steps kept verbatim in the trace (the rest is summarised).
 TRACE_STEPS = 64
 
 
-def scheduler_for(
-    cell: Cell,
-    options: ReferenceOptions,
-    runtime: OffloadRuntime,
-    top_k: int,
-    longest_prompt: int,
-    link_bytes_per_second: float | None = None,
-) -> AdmitAll | DeficitAdmission:
-    """The cell's admission (``baselines.py``): ``AdmitAll`` (B0/B1/B3), the token deficit (B2) or the 2-D deficit
-    (OURS), whose byte dimension prices each request's expected fetch by its prefetcher's ``keys``; ``Refused``
-    when a cap is below the largest single demand of the cell (that round could never be admitted) or the 2-D
-    deficit has no prefetcher to price bytes with.
+@dataclass(frozen=True)
+class TokenBudget:
+    """The token dimension of a cell's deficit admission (docs/reference-engine.md).
 
-    Defaults (documented in docs/reference-engine.md): tokens budget c·B (every in-flight request can verify a
-    full block each step; a prefill longer than that is spread over steps by the deficit), tokens cap
-    max(2·budget, longest prompt, B); the bytes budget is a RATE, ``link_bytes_per_second`` (the link's bytes
-    per second of wall time between scheduling steps, ``ByteRate``), or absent when the link rate is unknown
-    (never binds); ``scheduler_budget_bytes`` fixes it per step instead (an ablation); bytes cap = the largest
-    route-ahead fetch one round can make.
+    Defaults: budget c·B (every in-flight request can verify a full block each step; a prefill longer than that
+    is spread over steps by the deficit), cap max(2·budget, longest prompt, B)."""
+
+    budget: int
+    cap: int
+    #: The largest single demand of the cell: the longest prompt or the block size.
+    largest: int
+
+    @classmethod
+    def of(cls, cell: Cell, options: ReferenceOptions, longest_prompt: int) -> TokenBudget:
+        """``Refused`` when the cap is below the largest single demand (that round could never be admitted)."""
+        largest = max(longest_prompt, cell.block_size)
+        budget = options.scheduler_budget_tokens or cell.concurrency * cell.block_size
+        cap = options.scheduler_cap_tokens or max(2 * budget, largest)
+        if cap < largest:
+            raise Refused(
+                Status.REFUSED,
+                f"engine_options.scheduler_cap_tokens={cap} is below the largest single demand of this "
+                f"cell, {largest} tokens (the longest prompt or the block size): that round could never "
+                f"be admitted. Fix: set it to at least {largest}",
+            )
+        return cls(budget, cap, largest)
+
+
+def token_deficit_admission(tokens: TokenBudget) -> DeficitAdmission:
+    """B2's admission: the token deficit alone."""
+    return DeficitAdmission(TokenDeficitScheduler(tokens.budget, tokens.cap))
+
+
+def two_dim_deficit_admission(
+    name: str,
+    tokens: TokenBudget,
+    options: ReferenceOptions,
+    store: HostExpertStore,
+    top_k: int,
+    prefetcher: Prefetcher | None,
+    is_resident: Callable[[Key], bool],
+    link_bytes_per_second: float | None,
+) -> DeficitAdmission:
+    """OURS's admission: the 2-D deficit, whose byte dimension prices each request's expected fetch by its
+    prefetcher's ``keys``; ``Refused`` when the bytes cap is below the largest single demand of the cell or the
+    configuration (``name``) has no prefetcher to price bytes with.
+
+    The bytes budget is a RATE, ``link_bytes_per_second`` (the link's bytes per second of wall time between
+    scheduling steps, ``ByteRate``), or absent when the link rate is unknown (never binds);
+    ``scheduler_budget_bytes`` fixes it per step instead (an ablation); bytes cap = the largest route-ahead
+    fetch one round can make.
     """
-    admission = configuration(cell.baseline).admission
-    if admission == "all":
-        return AdmitAll()
-    opts, b = options, cell.block_size
-    largest_tokens = max(longest_prompt, b)
-    budget_tokens = opts.scheduler_budget_tokens or cell.concurrency * b
-    cap_tokens = opts.scheduler_cap_tokens or max(2 * budget_tokens, largest_tokens)
-    if cap_tokens < largest_tokens:
+    if prefetcher is None:
         raise Refused(
             Status.REFUSED,
-            f"engine_options.scheduler_cap_tokens={cap_tokens} is below the largest single demand of this "
-            f"cell, {largest_tokens} tokens (the longest prompt or the block size): that round could never "
-            f"be admitted. Fix: set it to at least {largest_tokens}",
+            f"{name}'s 2-D deficit scheduler prices each verify's expert bytes by its prefetcher's "
+            "prediction, but its configuration has no prefetcher (baselines.py). Fix: give it a prefetcher",
         )
-    if admission == "token_deficit":
-        return DeficitAdmission(TokenDeficitScheduler(budget_tokens, cap_tokens))
-    if runtime.prefetcher is None:
-        raise Refused(
-            Status.REFUSED,
-            f"{cell.baseline}'s 2-D deficit scheduler prices each verify's expert bytes by its prefetcher's "
-            "prediction, but engine_options.prefetcher is none. Fix: use prefetcher activation_aware",
-        )
-    store = runtime.store
+    opts = options
     e, k, nbytes, layers = store.num_experts, top_k, store.expert_nbytes, len(store.layer_ids)
-    largest_bytes = layers * min(largest_tokens * k, e) * nbytes
+    largest_bytes = layers * min(tokens.largest * k, e) * nbytes
     cap_bytes = opts.scheduler_cap_bytes or max(opts.scheduler_budget_bytes or 0, largest_bytes)
     rate = None if opts.scheduler_budget_bytes else link_bytes_per_second
     # Fixed per step (the option), or the cap as the nominal budget: a rate sets each step's own, and with
@@ -95,16 +115,16 @@ def scheduler_for(
         raise Refused(
             Status.REFUSED,
             f"engine_options.scheduler_cap_bytes={cap_bytes} is below the largest single route-ahead fetch of "
-            f"this cell, {largest_bytes} B ({largest_tokens} rows × top-{k} over {e} experts in each of "
+            f"this cell, {largest_bytes} B ({tokens.largest} rows × top-{k} over {e} experts in each of "
             f"{layers} MoE layers × {nbytes} B): that round could never be admitted. Fix: set "
             f"it to at least {largest_bytes}",
         )
     return DeficitAdmission(
-        TwoDimDeficitScheduler(budget_tokens, budget_bytes, cap_tokens, cap_bytes),
-        fetch_keys=runtime.prefetcher.keys,
-        is_resident=runtime.cache.contains,
+        TwoDimDeficitScheduler(tokens.budget, budget_bytes, tokens.cap, cap_bytes),
+        fetch_keys=prefetcher.keys,
+        is_resident=is_resident,
         expert_nbytes=nbytes,
-        in_flight=runtime.prefetcher.in_flight,
+        in_flight=prefetcher.in_flight,
         byte_rate=ByteRate(rate) if rate else None,
     )
 
@@ -181,44 +201,44 @@ class DeficitAdmission:
         for b in ordered:
             rid = b.request.rid
             nbytes = 0
-            if self.fetch_keys is not None:
+            if self.fetch_keys is not None and self.is_resident is not None:
                 new = {k for k in self.fetch_keys(rid) if k not in counted and not self.is_resident(k)}
                 counted |= new
                 nbytes = len(new) * self.expert_nbytes
             demands.append(VerifyDemand(rid, len(b.tokens), nbytes, flags[rid], b.ready_step))
         budget = {EXPERT_BYTES: self.byte_rate.budget()} if self.byte_rate is not None else None
-        admission = self.scheduler.step(demands, budget)
-        self._record(admission, demands)
-        if not admission.admitted and admission.deferred and self.byte_rate is not None:
-            first = next(d for d in demands if d.request_id == admission.deferred[0])
+        outcome = self.scheduler.step(demands, budget)
+        self._record(outcome, demands)
+        if not outcome.admitted and outcome.deferred and self.byte_rate is not None:
+            first = next(d for d in demands if d.request_id == outcome.deferred[0])
             k = self.scheduler.dimensions.index(EXPERT_BYTES)
-            self.byte_rate.idle(first.expert_bytes - (admission.available[k] - admission.used[k]))
-        return [by_rid[rid] for rid in admission.admitted]
+            self.byte_rate.idle(first.expert_bytes - (outcome.available[k] - outcome.used[k]))
+        return [by_rid[rid] for rid in outcome.admitted]
 
-    def _record(self, admission, demands: list[VerifyDemand]) -> None:
+    def _record(self, outcome: StepOutcome, demands: list[VerifyDemand]) -> None:
         self.steps += 1
-        n = len(admission.admitted)
+        n = len(outcome.admitted)
         self.admitted_histogram[n] += 1
         self.idle_steps += n == 0
-        self.seated_total += len(admission.seated)
-        if admission.deferred:
+        self.seated_total += len(outcome.seated)
+        if outcome.deferred:
             self.deferring_steps += 1
-            self.deferred_total += len(admission.deferred)
-            first = next(d for d in demands if d.request_id == admission.deferred[0])
+            self.deferred_total += len(outcome.deferred)
+            first = next(d for d in demands if d.request_id == outcome.deferred[0])
             for k, dim in enumerate(self.scheduler.dimensions):
-                if getattr(first, dim) > admission.available[k] - admission.used[k]:
+                if getattr(first, dim) > outcome.available[k] - outcome.used[k]:
                     self.binding[dim] += 1
-        self.max_used = [max(a, b) for a, b in zip(self.max_used, admission.used, strict=True)]
-        self.max_carried = [max(a, b) for a, b in zip(self.max_carried, admission.carried, strict=True)]
+        self.max_used = [max(a, b) for a, b in zip(self.max_used, outcome.used, strict=True)]
+        self.max_carried = [max(a, b) for a, b in zip(self.max_carried, outcome.carried, strict=True)]
         if len(self.trace) < TRACE_STEPS:
             self.trace.append(
                 {
-                    "admitted": len(admission.admitted),
-                    "seated": len(admission.seated),
-                    "deferred": len(admission.deferred),
-                    "available": list(admission.available),
-                    "used": list(admission.used),
-                    "carried": list(admission.carried),
+                    "admitted": len(outcome.admitted),
+                    "seated": len(outcome.seated),
+                    "deferred": len(outcome.deferred),
+                    "available": list(outcome.available),
+                    "used": list(outcome.used),
+                    "carried": list(outcome.carried),
                 }
             )
 

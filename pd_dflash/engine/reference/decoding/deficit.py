@@ -58,7 +58,7 @@ class VerifyDemand:
 
 
 @dataclass(frozen=True)
-class Admission:
+class StepOutcome:
     """The outcome of one scheduling step (per-dimension tuples follow the scheduler's ``dimensions``)."""
 
     #: Seated in-flight ids (arrival order), then newly admitted ids (arrival order): the verify batch.
@@ -117,7 +117,7 @@ class DeficitScheduler:
                     f"demand of {value} {d}; the cap must be ≥ the largest single demand in each dimension"
                 )
 
-    def step(self, demands: Sequence[VerifyDemand], budget: Mapping[str, int] | None = None) -> Admission:
+    def step(self, demands: Sequence[VerifyDemand], budget: Mapping[str, int] | None = None) -> StepOutcome:
         """Admit this step's verify batch from the pending demands (one per request) and update the carry.
 
         ``budget`` overrides this step's budget in the dimensions it names (each an int ≥ 1): a budget that is a
@@ -149,7 +149,7 @@ class DeficitScheduler:
         self._carried = tuple(min(max(p, 0), cap) for p, cap in zip(pool, self.cap, strict=True))
         batch = seated + admitted
         used = tuple(sum(getattr(dm, d) for dm in batch) for d in self.dimensions)
-        return Admission(
+        return StepOutcome(
             admitted=tuple(dm.request_id for dm in batch),
             seated=tuple(dm.request_id for dm in seated),
             deferred=tuple(dm.request_id for dm in deferred),

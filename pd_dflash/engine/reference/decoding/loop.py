@@ -2,13 +2,13 @@
 
 A step (``run_requests``):
 
-1. admission — waiting requests enter until ``concurrency`` are in flight (a new request's first block is its
+1. entry — waiting requests enter until ``concurrency`` are in flight (a new request's first block is its
    prompt, so its prefill counts toward its TTFT);
 2. proposal — every in-flight request without a pending block gets one from ``decoding.propose`` (AR: its last
    token; speculative: ``[anchor, d1 .. d_{B−1}]`` from ONE batched drafter forward — the ``dflash_draft``
    window);
 3. ``hooks.plan(blocks)`` — route-ahead runs the target's routers on the new blocks (``route_ahead_router``);
-4. scheduling — ``scheduler.select(pending)`` picks whose blocks are verified now (B1/AR: everyone; B2/OURS:
+4. admission — ``admission.select(pending)`` picks whose blocks are verified now (B1/AR: everyone; B2/OURS:
    the deficit schedulers). A step that admits nothing runs no forward (an idle step, no time passes);
 5. ``hooks.begin_round`` — the prefetch hook (the AR prefetcher issues the first layer; route-ahead issues the
    predicted experts of every layer, layer-pipelined);
@@ -33,10 +33,14 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_dflash.engine.nvtx_ranges import nvtx_range
-from pd_dflash.engine.reference.decoding.target import Block, Commit, Request, TargetModel
+import torch
 
-#: A scheduler that admits nothing this many steps in a row is broken (liveness is proven for the deficit
+from pd_dflash.engine.nvtx_ranges import nvtx_range
+from pd_dflash.engine.reference import seams
+from pd_dflash.engine.reference.decoding.target import Block, Commit, Request, TargetModel
+from pd_dflash.engine.reference.seams import Admission, Decoding
+
+#: An admission that admits nothing this many steps in a row is broken (liveness is proven for the deficit
 #: schedulers; this only turns a bug into an error instead of a hang).
 MAX_IDLE_STEPS = 100_000
 
@@ -65,7 +69,7 @@ class RoundRecord:
 
 
 class RoundHooks:
-    """What the loop calls around each target forward (``OffloadRuntime`` implements it)."""
+    """No-op round hooks (the ``seams.RoundHooks`` that ``OffloadRuntime`` implements), for a loop without offload."""
 
     def plan(self, blocks: list[Block]) -> bool:
         """Predict the new blocks' experts before scheduling; True when a router pass ran."""
@@ -77,7 +81,7 @@ class RoundHooks:
 
 
 class AdmitAll:
-    """No scheduler (AR, B1): every pending block is verified every step."""
+    """Admission ``all`` (AR, B1, B3): every pending block is verified every step."""
 
     name = "none"
 
@@ -87,7 +91,7 @@ class AdmitAll:
     def reset(self) -> None:
         pass  # nothing carried between steps
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"kind": self.name}
 
 
@@ -96,29 +100,29 @@ def run_requests(
     requests: Sequence[Request],
     *,
     concurrency: int,
-    decoding,
-    hooks: RoundHooks,
-    scheduler=None,
+    decoding: Decoding,
+    hooks: seams.RoundHooks,
+    admission: Admission | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> list[RoundRecord]:
     """Serve ``requests`` with ``concurrency`` in flight until all are done; returns one record per round.
 
-    Each step admits, proposes and schedules; a step whose schedule is empty is idle (it runs no forward), the
-    others run one round. A round's record covers every step since the previous round's."""
-    target.reserve(requests, concurrency, getattr(decoding, "block_size", 1))
-    loop = _Serving(target, requests, concurrency, decoding, hooks, scheduler or AdmitAll(), clock)
+    Each step lets requests enter, proposes and admits; a step that admits nothing is idle (it runs no
+    forward), the others run one round. A round's record covers every step since the previous round's."""
+    target.reserve(requests, concurrency, decoding.block_size)
+    loop = _Serving(target, requests, concurrency, decoding, hooks, admission or AdmitAll(), clock)
     rounds: list[RoundRecord] = []
     start, idle, windows = None, 0, []
     while loop.waiting or loop.active:
         now = clock()
         start = now if start is None else start
-        loop.admit(now)
+        loop.enter(now)
         windows += loop.propose()
         batch = loop.select()
         if not batch:
             idle += 1
             if idle > MAX_IDLE_STEPS:
-                raise RuntimeError(f"the scheduler admitted nothing for {idle} steps in a row")
+                raise RuntimeError(f"the admission admitted nothing for {idle} steps in a row")
             continue
         rounds.append(loop.run_round(batch, start=start, idle_steps=idle, windows=windows))
         start, idle, windows = None, 0, []
@@ -128,15 +132,24 @@ def run_requests(
 class _Serving:
     """The step loop's state: requests waiting, in flight, and the blocks they have pending."""
 
-    def __init__(self, target, requests, concurrency, decoding, hooks, scheduler, clock) -> None:
-        self.target, self.decoding, self.hooks, self.scheduler = target, decoding, hooks, scheduler
+    def __init__(
+        self,
+        target: TargetModel,
+        requests: Sequence[Request],
+        concurrency: int,
+        decoding: Decoding,
+        hooks: seams.RoundHooks,
+        admission: Admission,
+        clock: Callable[[], float],
+    ) -> None:
+        self.target, self.decoding, self.hooks, self.admission = target, decoding, hooks, admission
         self.concurrency, self.clock = concurrency, clock
         self.waiting = deque(requests)
         self.active: list[Request] = []
         self.pending: dict[Any, Block] = {}
         self.step = 0
 
-    def admit(self, now: float) -> None:
+    def enter(self, now: float) -> None:
         """Waiting requests enter until ``concurrency`` are in flight, each with a KV arena row of its own."""
         while self.waiting and len(self.active) < self.concurrency:
             request = self.waiting.popleft()
@@ -168,8 +181,8 @@ class _Serving:
         return windows
 
     def select(self) -> list[Block]:
-        """The scheduler's pick among the pending blocks; they stop being pending."""
-        batch = self.scheduler.select([self.pending[r.rid] for r in self.active])
+        """The admission's pick among the pending blocks; they stop being pending."""
+        batch = self.admission.select([self.pending[r.rid] for r in self.active])
         self.step += 1
         for b in batch:
             del self.pending[b.request.rid]
@@ -209,7 +222,7 @@ class _Serving:
         )
 
     def _commit(
-        self, batch: list[Block], logits, captured
+        self, batch: list[Block], logits: list[torch.Tensor], captured: dict[int, torch.Tensor]
     ) -> tuple[list[Commit], list[tuple[int, int]], int]:
         """The accept rule per block; returns the commits, each block's kept row span and the rows verified."""
         commits, spans, row = [], [], 0

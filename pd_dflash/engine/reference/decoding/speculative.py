@@ -66,6 +66,10 @@ class SpeculativeDecoding:
         else:
             drafts = torch.tensor(block.drafts, device=logits.device)[None]
             if self.temperature > 0:
+                if block.draft_probs is None:
+                    raise RuntimeError(
+                        f"request {r.rid}: a sampled draft without its drafter's probabilities"
+                    )
                 result = speculative_sample(
                     logits[None], drafts, block.draft_probs[None], self.temperature, r.generator
                 )

@@ -10,7 +10,7 @@ fetched are the union over the verified requests), then norm + LM head once over
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,7 +131,7 @@ class TargetModel:
         self.arena = KVArena(model, device)
         #: How the host waits for compute (set per cell to the offload runtime's, which keeps the link's
         #: prefetch queue moving meanwhile); None: the compute stream alone.
-        self.sync_hook = None
+        self.sync_hook: Callable[[], None] | None = None
 
     def synchronize(self) -> None:
         """Block the host until the compute stream has finished: never the whole device, so prefetches on the
@@ -309,6 +309,7 @@ class AutoregressiveDecoding:
     """Proposer and commit rule of AR decoding: width-1 blocks (the whole prompt on the first round)."""
 
     speculative = False
+    block_size = 1
     capture: tuple[int, ...] = ()
 
     def __init__(self, temperature: float = 0.0) -> None:

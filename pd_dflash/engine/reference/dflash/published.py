@@ -1,6 +1,6 @@
 """The engine's side of a published DFlash drafter: find ``models[].draft`` (a directory, a hub id in the HF
 cache, or ``tiny-real-dflash``), load it once per runner on the target, and build each speculative cell's
-decoding from it (``published_decoding`` also serves a preset's trained drafters, which are in the same layout:
+drafter seam from it (``published_source`` also serves a preset's trained drafters, which are in the same layout:
 ``presets/drafters.py``). A drafter that is missing or does not fit its target refuses the speculative cells (B0
 still runs); ``pd-dflash plan`` has already refused it when the files were visible there (``config.check_drafter``).
 """
@@ -11,16 +11,13 @@ from typing import Any
 
 from torch import nn
 
-from pd_dflash.baselines import configuration
 from pd_dflash.engine.interface import Refused
-from pd_dflash.engine.reference.decoding.speculative import SpeculativeDecoding
 from pd_dflash.engine.reference.dflash.config import TINY_DRAFTER, resolve_drafter
 from pd_dflash.engine.reference.dflash.load import load_dflash_drafter
 from pd_dflash.engine.reference.dflash.model import DFlashDrafter
 from pd_dflash.engine.reference.dflash.source import DFlashSource
 from pd_dflash.errors import InputError
 from pd_dflash.schema import Status
-from pd_dflash.spec import Cell
 
 Loaded = tuple[DFlashDrafter, dict[str, Any]]
 
@@ -37,8 +34,8 @@ def load_published_drafter(
             "machinery only), or set models[].engine_options.drafter: early_exit",
         )
     if draft == TINY_DRAFTER:
+        from pd_dflash.engine.reference.artifacts import cache_root
         from pd_dflash.engine.reference.dflash.tiny import tiny_drafter_for
-        from pd_dflash.engine.reference.presets.training import cache_root
 
         directory = tiny_drafter_for(model.config.to_dict(), cache_root(cache_dir))
     else:
@@ -56,18 +53,17 @@ def load_published_drafter(
     return drafter, {"draft": draft, **facts}
 
 
-def published_decoding(
-    loaded: Loaded, cell: Cell, temperature: float
-) -> tuple[SpeculativeDecoding, dict[str, Any]]:
-    """The cell's speculative decoding with this drafter (route-ahead proxy for OURS) and its facts; a block
-    above the drafter's trained block size runs, with a warning for the row (``facts["warnings"]``)."""
+def published_source(loaded: Loaded, block_size: int, *, route_ahead: bool) -> DFlashSource:
+    """The drafter seam over this drafter for a cell of ``block_size`` (leaving the route-ahead proxy on each
+    block when asked); a block above the drafter's trained block size runs, with a warning for the row
+    (``source.facts["warnings"]``)."""
     drafter, facts = loaded
-    source = DFlashSource(drafter, facts, route_ahead=configuration(cell.baseline).route_ahead)
+    source = DFlashSource(drafter, facts, route_ahead=route_ahead)
     trained = drafter.config.block_size
-    if cell.block_size > trained:
+    if block_size > trained:
         source.facts["warnings"] = [
-            f"block size {cell.block_size} is above the DFlash drafter's trained block size {trained} "
+            f"block size {block_size} is above the DFlash drafter's trained block size {trained} "
             f"({facts['checkpoint']}/config.json: dflash_config.block_size); it runs, but the drafts beyond position "
             f"{trained - 1} come from mask positions it was never trained on"
         ]
-    return SpeculativeDecoding(source, cell.block_size, temperature), source.facts
+    return source

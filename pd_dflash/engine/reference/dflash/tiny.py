@@ -135,7 +135,7 @@ def save_drafter(out: Path, config: Mapping[str, Any], tensors: Mapping[str, tor
 
 def tiny_drafter_for(target: Mapping[str, Any], cache_root: Path, *, seed: int = 0) -> Path:
     """The ``draft: tiny-real-dflash`` drafter of a target, generated once into the engine cache."""
-    from pd_dflash.engine.reference.presets.training import build_once
+    from pd_dflash.engine.reference.artifacts import build_once
 
     config = tiny_drafter_config(target)
     key = json.dumps({"config": config, "seed": seed, "generator": GENERATOR_VERSION}, sort_keys=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pd_dflash.engine.reference.checkpoints.layouts import ExpertLayout, config_dtype, quant_method
 from pd_dflash.engine.reference.families import gpt_oss, mixtral, qwen3_moe
 from pd_dflash.engine.reference.families.base import MoEFamily
+from pd_dflash.engine.reference.families.layouts import ExpertLayout, config_dtype, quant_method
 from pd_dflash.errors import InputError
 
 __all__ = [

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pd_dflash.engine.reference.checkpoints.layouts import ExpertLayout, Part
+from pd_dflash.engine.reference.families.layouts import ExpertLayout, Part
 from pd_dflash.errors import InputError
 
 if TYPE_CHECKING:

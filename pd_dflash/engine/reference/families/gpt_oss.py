@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pd_dflash.engine.reference.checkpoints.layouts import MXFP4_GROUP, Part
-from pd_dflash.engine.reference.checkpoints.tiny_files import COMMON, save_sharded, write_tokenizer
 from pd_dflash.engine.reference.families.base import LayoutDims, MoEFamily
+from pd_dflash.engine.reference.families.layouts import MXFP4_GROUP, Part
+from pd_dflash.engine.reference.families.tiny_files import COMMON, save_sharded, write_tokenizer
 from pd_dflash.errors import InputError
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pd_dflash.engine.reference.checkpoints.layouts import Part
-from pd_dflash.engine.reference.checkpoints.tiny_files import COMMON, write_tokenizer
 from pd_dflash.engine.reference.families.base import LayoutDims, MoEFamily
+from pd_dflash.engine.reference.families.layouts import Part
+from pd_dflash.engine.reference.families.tiny_files import COMMON, write_tokenizer
 
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

@@ -32,8 +32,8 @@ import torch
 from pd_dflash.engine.reference.offload.eviction import POLICIES, Evictor, RoundPlan
 from pd_dflash.engine.reference.offload.link import Link
 from pd_dflash.engine.reference.offload.slot_pool import SlotPool
-from pd_dflash.engine.reference.offload.spans import SpanUnion
 from pd_dflash.engine.reference.offload.store import HostExpertStore
+from pd_dflash.intervals import SpanUnion
 
 Key = tuple[int, int]  # (layer, expert)
 

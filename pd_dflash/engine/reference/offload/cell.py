@@ -1,33 +1,34 @@
 """One cell's offload machinery as its configuration names it: the expert cache's capacity (and the refusals that
-keep offloaded baselines honest), the link the cache fetches over, its rate as known before the cell runs, and
-the prefetcher — assembled into the cell's ``OffloadRuntime``.
+keep offloaded baselines honest), the link the cache fetches over and its rate as known before the cell runs,
+assembled with the cell's prefetcher (built by ``cell.py``) into the cell's ``OffloadRuntime``.
 
 B3 holds every expert. B0/B1/B2/OURS must really offload (as upstream): a capacity that would hold every expert,
 or less than one, is refused with the fix to apply. The link's rate is what OURS's byte-rate budget
-(``decoding/admission.py``) and cost-aware verify width (``decoding/verify_width.py``) price bytes with.
+(``decoding/admission.py``) and cost-aware verify width (``offload/verify_width.py``) price bytes with.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from pd_dflash.baselines import configuration
+from pd_dflash.baselines import Configuration
 from pd_dflash.engine.interface import Refused
 from pd_dflash.engine.measurement import LinkFacts
-from pd_dflash.engine.reference.decoding.target import TargetModel
-from pd_dflash.engine.reference.decoding.verify_width import CostAwareWidth
 from pd_dflash.engine.reference.offload.cache import ExpertCache
 from pd_dflash.engine.reference.offload.cuda_link import CudaLink
 from pd_dflash.engine.reference.offload.link import HostLink
-from pd_dflash.engine.reference.offload.prefetch import ActivationAwarePrefetcher
-from pd_dflash.engine.reference.offload.route_prefetch import RouteAheadPrefetcher
 from pd_dflash.engine.reference.offload.runtime import OffloadRuntime
 from pd_dflash.engine.reference.offload.store import HostExpertStore
 from pd_dflash.engine.reference.options import ReferenceOptions
+from pd_dflash.engine.reference.seams import Prefetcher
 from pd_dflash.schema import Status
 from pd_dflash.spec import Cell, Memory
+
+if TYPE_CHECKING:
+    from pd_dflash.engine.reference.decoding.target import TargetModel
 
 
 @dataclass(frozen=True)
@@ -49,21 +50,23 @@ class Offload:
         probe = self.probe_bytes_per_second
         return link_bytes_per_second(cell, self.options, self.store.expert_nbytes, cuda=cuda, probe=probe)
 
-    def runtime(self, cell: Cell, capacity: int) -> tuple[OffloadRuntime, LinkFacts]:
-        """The cell's cache (over its link), prefetcher and runtime, attached to the target."""
-        link, facts = self._link(cell)
+    def runtime(
+        self, cell: Cell, configuration: Configuration, capacity: int, prefetcher: Prefetcher | None
+    ) -> tuple[OffloadRuntime, LinkFacts]:
+        """The cell's cache (over its link) and runtime with ``prefetcher``, attached to the target."""
+        link, facts = self._link(cell, configuration)
         opts = self.options
         cache = ExpertCache(
             self.store, capacity, self.device, self.compute_dtype, policy=opts.eviction, link=link
         )
-        runtime = OffloadRuntime(self.store, cache, self._prefetcher(cell))
+        runtime = OffloadRuntime(self.store, cache, prefetcher)
         runtime.attach(self.target.model)
         self.target.sync_hook = runtime.synchronize
         return runtime, facts
 
-    def _link(self, cell: Cell) -> tuple[HostLink | CudaLink | None, LinkFacts]:
+    def _link(self, cell: Cell, configuration: Configuration) -> tuple[HostLink | CudaLink | None, LinkFacts]:
         probe, opts = self.probe_bytes_per_second, self.options
-        if not cell.offloaded:
+        if not configuration.offloaded:
             return None, LinkFacts("none", probe_bytes_per_second=probe)
         if self.device.type == "cuda":
             return CudaLink(self.device), LinkFacts("real", probe_bytes_per_second=probe)
@@ -72,37 +75,24 @@ class Offload:
         latency = opts.emulated_latency_us if gbps else None
         return link, LinkFacts(link.kind, emulated_gbps=gbps, emulated_latency_us=latency)
 
-    def _prefetcher(self, cell: Cell) -> RouteAheadPrefetcher | ActivationAwarePrefetcher | None:
-        opts, store = self.options, self.store
-        if configuration(cell.baseline).route_ahead:
-            rate = self.link_bytes_per_second(cell)
-            width = CostAwareWidth(rate) if opts.verify_width == "cost_aware" and rate else None
-            return RouteAheadPrefetcher(
-                self.target,
-                store.layer_ids,
-                self.top_k,
-                history=opts.route_ahead_history,
-                width=width,
-                expert_nbytes=store.expert_nbytes,
-            )
-        if opts.prefetcher == "activation_aware":
-            # Resident (B3): observe-only, so its prediction quality is on the same scale as the offloaded ones'.
-            return ActivationAwarePrefetcher(
-                store.layer_ids, store.num_experts, self.top_k, issue=cell.offloaded
-            )
-        return None
-
 
 def expert_cache_capacity(
-    cell: Cell, store: HostExpertStore, options: ReferenceOptions, memory: Memory
+    cell: Cell,
+    configuration: Configuration,
+    store: HostExpertStore,
+    options: ReferenceOptions,
+    memory: Memory,
 ) -> int:
     """The cell's expert-cache capacity in bytes. B3 holds every expert; an offloaded baseline must really
     offload (as upstream), so a capacity that holds every expert, or less than one, is ``Refused``."""
     total = store.total_bytes
-    if not cell.offloaded:
+    if not configuration.offloaded:
         return total
     opts = options
-    frac = cell.ablation.get("expert_cache_fraction", memory.expert_cache_fraction)  # an ablation cell's own
+    spec_frac = (
+        memory.expert_cache_fraction
+    )  # a list is an ablation axis: each cell then carries its own value
+    frac = cell.ablation.get("expert_cache_fraction", None if isinstance(spec_frac, list) else spec_frac)
     if opts.expert_cache_bytes is not None:
         capacity, given = (
             opts.expert_cache_bytes,
@@ -113,7 +103,7 @@ def expert_cache_capacity(
     else:
         raise Refused(
             Status.REFUSED,
-            f"{cell.baseline} must be offloaded, but no expert-cache capacity is set, so the cache would hold "
+            f"{configuration.name} must be offloaded, but no expert-cache capacity is set, so the cache would hold "
             f"every expert ({total} B). Fix: set memory.expert_cache_fraction below 1 (e.g. 0.25) or "
             "models[].engine_options.expert_cache_bytes",
         )
@@ -121,7 +111,7 @@ def expert_cache_capacity(
     if slots >= entries:
         raise Refused(
             Status.REFUSED,
-            f"{cell.baseline} must be offloaded, but {given} gives a cache of {capacity} B that holds all "
+            f"{configuration.name} must be offloaded, but {given} gives a cache of {capacity} B that holds all "
             f"{entries} experts ({total} B): nothing would be offloaded. Fix: lower it so the cache holds fewer "
             f"than {entries} experts (< {total} B)",
         )
@@ -131,7 +121,7 @@ def expert_cache_capacity(
             f"{given} gives a cache of {capacity} B, smaller than one expert ({store.expert_nbytes} B). "
             "Fix: raise it to at least one expert",
         )
-    if configuration(cell.baseline).route_ahead and slots < 2:
+    if configuration.route_ahead and slots < 2:
         raise Refused(
             Status.REFUSED,
             f"{given} gives a cache of one expert slot: route-ahead pins prefetched experts until their layer "

@@ -11,7 +11,11 @@ a device-side ``(layer, expert) → slot`` table (``ExpertCache.slot_table``, �
 3. the family's expert function (``families/``: ``MoEFamily.grouped_fn``) with one grouped GEMM per projection (``torch._grouped_mm``)
    — or, where the device/dtype/strides lack it or (CPU) the pool has too many slots for torch's CPU loop over
    groups, the named fallback ``gathered_bmm``: each pair's weights gathered by slot and one ``bmm`` (gpt-fast's
-   ``w1[expert_indices]``), recorded in the row's ``engine.expert_compute``;
+   ``w1[expert_indices]``), recorded in the row's ``engine.expert_compute``. On CUDA, ``grouped_mm`` only where
+   torch runs its device kernel: compute capability major 9 or 10 (torch's host-side gate; an RTX PRO 6000,
+   12.0, takes ATen's mm loop, which reads ``offs`` on the host: one sync and one mm per group) AND a probe at
+   the first pool of the device — one tiny ``_grouped_mm`` under ``torch.cuda.set_sync_debug_mode("error")`` —
+   that ran clean;
 4. routing weights multiplied; the pair outputs go back to their token's row (one ``index_copy_``) and are summed
    per token in ascending expert order, the eager experts module's ``index_add_`` order. The GEMMs and that sum
    are the eager ones bit for bit; CPU elementwise kernels (SiLU, sigmoid) may round an element differently
@@ -26,6 +30,7 @@ once, at ``finish``, over every chunk's outputs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -48,24 +53,87 @@ Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 GroupedFn = Callable[[torch.Tensor, list[torch.Tensor], Matmul, torch.Tensor], torch.Tensor]
 
 
+#: Compute-capability majors whose CUDA ``_grouped_mm`` is torch's device kernel (sm_90, sm_100); every other
+#: major takes the mm loop over groups, which reads ``offs`` on the host (../shared/research/gpu-targets.md).
+FAST_KERNEL_MAJORS = (9, 10)
+#: The probe's outcome per CUDA device (``str(device)``): run once per process, at the device's first pool.
+_PROBES: dict[str, dict[str, Any]] = {}
+
+
 def expert_compute_kind(pool: list[torch.Tensor]) -> str:
-    """``grouped_mm`` where torch computes this pool's dtype on this device, its strides are 16-byte multiples
-    (the kernel's requirement) and, on the CPU, the pool has at most ``CPU_GROUPED_MM_MAX_SLOTS`` slots; else
-    ``gathered_bmm``."""
-    if not hasattr(torch, "_grouped_mm"):
-        return GATHERED_BMM
+    """The path ``expert_compute_choice`` picks for this pool."""
+    return expert_compute_choice(pool)["path"]
+
+
+def expert_compute_choice(pool: list[torch.Tensor]) -> dict[str, Any]:
+    """``{"path": grouped_mm | gathered_bmm, "why": ..., "capability", "probe"}`` (the row's
+    ``engine.expert_compute``). ``grouped_mm`` where torch computes this pool's dtype on this device without a
+    host sync (CUDA: ``cuda_choice``), its strides are 16-byte multiples (the kernel's requirement) and, on the
+    CPU, the pool has at most ``CPU_GROUPED_MM_MAX_SLOTS`` slots; else ``gathered_bmm``."""
     matrices = [p for p in pool if p.dim() == 3]
     device, dtype = matrices[0].device, matrices[0].dtype
+    if not hasattr(torch, "_grouped_mm"):
+        return _choice(GATHERED_BMM, f"torch {torch.__version__} has no _grouped_mm")
     if device.type == "cuda":
-        if dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (8, 0):
-            return GATHERED_BMM
-    elif device.type != "cpu" or dtype not in _CPU_DTYPES or matrices[0].shape[0] > CPU_GROUPED_MM_MAX_SLOTS:
-        return GATHERED_BMM
+        choice = cuda_choice(device, dtype)
+        if choice["path"] != GROUPED_MM:
+            return choice
+    elif device.type != "cpu" or dtype not in _CPU_DTYPES:
+        return _choice(GATHERED_BMM, f"no grouped GEMM for {dtype} on {device.type}")
+    elif matrices[0].shape[0] > CPU_GROUPED_MM_MAX_SLOTS:
+        return _choice(GATHERED_BMM, f"a CPU pool of more than {CPU_GROUPED_MM_MAX_SLOTS} slots")
+    else:
+        choice = _choice(GROUPED_MM, f"torch's CPU grouped GEMM for {dtype}")
     size = dtype.itemsize
     for p in matrices:
         if any(s * size % 16 for s in p.stride()[:-1]) or p.stride()[-1] != 1 or p.data_ptr() % 16:
-            return GATHERED_BMM
-    return GROUPED_MM
+            return {**choice, "path": GATHERED_BMM, "why": "the pool's strides are not 16-byte multiples"}
+    return choice
+
+
+def cuda_choice(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The CUDA decision: bf16, a capability whose major torch admits to its fast kernel, and a clean probe (run
+    on every CUDA device, once, and recorded either way: on a major torch does not admit it shows the sync)."""
+    capability = tuple(torch.cuda.get_device_capability(device))
+    key = str(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
+    if key not in _PROBES:
+        _PROBES[key] = probe_grouped_mm(device)
+    probe = _PROBES[key]
+    facts = {"capability": list(capability), "probe": probe}
+    if dtype != torch.bfloat16:
+        return _choice(GATHERED_BMM, f"torch's CUDA grouped GEMM computes bf16, not {dtype}", **facts)
+    if capability[0] not in FAST_KERNEL_MAJORS:
+        why = (
+            f"compute capability {capability[0]}.{capability[1]}: torch's fast kernel admits majors 9 and 10"
+        )
+        return _choice(GATHERED_BMM, why + " only (the mm loop would read offs on the host)", **facts)
+    if not (probe.get("sync_free") and probe.get("matches_mm")):
+        why = probe.get("error") or "its result differs from two mms"
+        return _choice(GATHERED_BMM, f"the grouped_mm probe was not clean: {why}", **facts)
+    return _choice(GROUPED_MM, "torch's fast kernel; the probe ran without a host sync", **facts)
+
+
+def probe_grouped_mm(device: torch.device) -> dict[str, Any]:
+    """One tiny bf16 ``_grouped_mm`` (2 groups of 4 rows, 16 × 16) under ``set_sync_debug_mode("error")``: the
+    mm-loop fallback's host read of ``offs`` raises there, the device kernel does not. Inputs are made on the
+    device before the mode is set (nothing else in the probe syncs); the result is checked against two mms."""
+    x = torch.randn(8, 16, dtype=torch.bfloat16, device=device)
+    w = torch.randn(2, 16, 16, dtype=torch.bfloat16, device=device)
+    offs = torch.arange(4, 9, 4, dtype=torch.int32, device=device)
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = torch._grouped_mm(x, w, offs=offs)
+    except RuntimeError as exc:
+        return {"sync_free": False, "error": str(exc).splitlines()[0][:300]}
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    want = torch.cat([x[:4] @ w[0], x[4:] @ w[1]]).float()
+    return {"sync_free": True, "matches_mm": bool(torch.allclose(y.float(), want, rtol=2e-2, atol=2e-2))}
+
+
+def _choice(path: str, why: str, **facts: Any) -> dict[str, Any]:
+    return {"path": path, "why": why, "capability": None, "probe": None, **facts}
 
 
 class LayerCompute:

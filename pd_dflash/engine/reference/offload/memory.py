@@ -19,11 +19,14 @@ What is available:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from pd_dflash.baselines import Configuration
 from pd_dflash.engine.interface import Refused
 from pd_dflash.schema import Status
+from pd_dflash.spec import Cell
 
 #: Device bytes left free beyond what is counted (activations, cuBLAS workspaces, allocator fragmentation).
 DEVICE_HEADROOM_BYTES = 512 * 2**20
@@ -83,27 +86,39 @@ def require(what: str, needed: int, available: int | None, fix: str, where: str)
 
 
 def require_cell_device_memory(
-    cell, store, capacity: int, config, dtype: torch.dtype, *, tokens: int, available: int | None
+    cell: Cell,
+    configuration: Configuration,
+    store: Any,  # offload/store.HostExpertStore (which imports this module)
+    capacity: int,
+    config: Any,
+    dtype: torch.dtype,
+    *,
+    tokens: int,
+    available: int | None,
+    where: str = "device",
 ) -> None:
     """A cell's expert cache + an upper bound of its KV cache (``tokens`` per request, c requests) + headroom
-    must fit on the device before anything is allocated."""
+    must fit in ``available`` bytes of ``where`` ("device"; "host" for the CPU engine, whose device is the host)
+    before anything is allocated."""
     slots = min(capacity // store.expert_nbytes, store.num_entries)
     cache = slots * store.device_slot_nbytes(
-        dtype, linked=cell.offloaded
+        dtype, linked=configuration.offloaded
     )  # device bytes, dequantised included
     kv = kv_cache_bytes(config, tokens, cell.concurrency, torch.empty((), dtype=dtype).element_size())
     fix = (
-        "lower memory.expert_cache_fraction (or engine_options.expert_cache_bytes) or the concurrency"
-        if cell.offloaded
-        else "B3 holds every expert on the device: it needs a GPU that holds them all"
+        "lower memory.expert_cache_fraction (or engine_options.expert_cache_bytes), the concurrency or "
+        "workload.max_new_tokens"
+        if configuration.offloaded
+        else "B3 holds every expert on the device: it needs a GPU that holds them all (or fewer KV tokens: "
+        "the concurrency, workload.max_new_tokens)"
     )
     require(
-        f"{cell.baseline} at c = {cell.concurrency}: the expert cache ({cache:,} B, {slots} slots) + the KV "
+        f"{configuration.name} at c = {cell.concurrency}: the expert cache ({cache:,} B, {slots} slots) + the KV "
         f"cache (≤ {kv:,} B) + {DEVICE_HEADROOM_BYTES:,} B of headroom",
         cache + kv + DEVICE_HEADROOM_BYTES,
         available,
         fix,
-        "device",
+        where,
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pd_dflash.engine.reference.offload.spans import Interval, covered, merge, subtract, union_seconds
+from pd_dflash.intervals import Interval, covered, merge, subtract, union_seconds
 
 if TYPE_CHECKING:
     from pd_dflash.engine.reference.decoding.loop import RoundRecord

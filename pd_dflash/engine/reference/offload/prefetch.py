@@ -45,6 +45,7 @@ class ActivationAwarePrefetcher:
         self.coactivation = {layer: np.zeros((num_experts, num_experts)) for layer in self.next_layer}
         self.first_layer_counts: dict[object, np.ndarray] = {}
         self.predicted: dict[int, frozenset[int]] = {}
+        self.counters: dict[str, int] = {}  # it counts no issue outcomes (the Prefetcher seam's field)
         self._owners: list[tuple[object, int]] = []
         self._previous: np.ndarray | None = None
         #: Per request: the (layer, expert) keys its rows routed in its last verify, and in the current one.

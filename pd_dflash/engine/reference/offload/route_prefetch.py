@@ -47,14 +47,17 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pd_dflash.engine.nvtx_ranges import nvtx_range
 from pd_dflash.engine.reference import host_sync
-from pd_dflash.engine.reference.decoding.target import Block, TargetModel
-from pd_dflash.engine.reference.decoding.verify_width import CostAwareWidth, new_bytes_per_row
+from pd_dflash.engine.reference.offload.verify_width import CostAwareWidth, new_bytes_per_row
+
+if TYPE_CHECKING:
+    from pd_dflash.engine.reference.decoding.target import Block, TargetModel
 
 Key = tuple[int, int]
 
@@ -79,7 +82,7 @@ class RouteAheadPrefetcher:
         self.target, self.top_k, self.issue, self.use_history = target, top_k, issue, history
         #: The verify resumes from the router pass's first-layer work (``decoding/target.Prefix``) instead of redoing it.
         self.reuse_prefix = reuse_prefix
-        #: Cost-aware verify width (``decoding/verify_width.py``), or None: every block is verified whole.
+        #: Cost-aware verify width (``offload/verify_width.py``), or None: every block is verified whole.
         self.width, self.expert_nbytes = width, expert_nbytes
         self.layer_ids = list(layer_ids)
         self.position = {layer: i for i, layer in enumerate(self.layer_ids)}
@@ -300,7 +303,7 @@ class RouteAheadPrefetcher:
 
     # -- internals ---------------------------------------------------------------------------------------------
     def _cut(self, block: Block, cache) -> None:
-        """Verify only the rows worth their new experts (``decoding/verify_width.py``); lossless."""
+        """Verify only the rows worth their new experts (``offload/verify_width.py``); lossless."""
         rid = block.request.rid
         rows = self.row_keys[rid]
         keep = self.width.width(new_bytes_per_row(rows, cache.contains, self.expert_nbytes, cache.num_slots))

@@ -34,6 +34,7 @@ from pd_dflash.engine.reference.families import MoEFamily, num_experts
 from pd_dflash.engine.reference.offload.cache import ExpertCache
 from pd_dflash.engine.reference.offload.grouped import GroupedFn, LayerCompute
 from pd_dflash.engine.reference.offload.store import HostExpertStore
+from pd_dflash.engine.reference.seams import Prefetcher
 from pd_dflash.engine.route_ahead import RouteAheadStats
 
 
@@ -77,7 +78,9 @@ def install_offload(
 class OffloadRuntime:
     """One cell's offload state: cache + prefetcher + prediction statistics, behind the decode-loop hooks."""
 
-    def __init__(self, store: HostExpertStore, cache: ExpertCache, prefetcher=None) -> None:
+    def __init__(
+        self, store: HostExpertStore, cache: ExpertCache, prefetcher: Prefetcher | None = None
+    ) -> None:
         self.store, self.cache, self.prefetcher = store, cache, prefetcher
         self.stats = RouteAheadStats()
         #: Σ over layers of |routed union| in the current round (the round's needed expert count), and per
@@ -151,9 +154,9 @@ class OffloadRuntime:
         self.stats.commit_step(kept_rows, kept_spans=kept_spans)
         self.in_time = [a + b for a, b in zip(self.in_time, self._round_in_time, strict=True)]
         self.cache.end_round()
-        end = getattr(self.prefetcher, "end_round", None)
-        if end is not None:
-            end(self.cache, kept_spans if kept_spans is not None else [(0, kept_rows)], finished or set())
+        if self.prefetcher is not None:
+            spans = kept_spans if kept_spans is not None else [(0, kept_rows or 0)]
+            self.prefetcher.end_round(self.cache, spans, finished or set())
         self.cache.collect()
         self.needed_per_round.append(self.round_needed)
         self.occupancy_per_round.append(self.cache.occupancy_bytes)
@@ -187,7 +190,12 @@ class OffloadRuntime:
         """The layer's ``[tokens, k]`` routing on the host: one device→host copy into pinned memory, waited for by
         event through the link (counted, site ``routing``)."""
         host, landed = host_sync.to_host_async(top_k_index)
-        host_sync.wait("routing", lambda: landed is not None and self._block(landed))
+
+        def wait() -> None:
+            if landed is not None:
+                self._block(landed)
+
+        host_sync.wait("routing", wait)
         return host
 
     def experts(
@@ -252,10 +260,9 @@ class OffloadRuntime:
                 (start, time.perf_counter(), self.cache.counters.exposed_seconds - waited)
             )
 
-    def _layer_done(self, prefetcher, layer: int) -> None:
-        done = getattr(prefetcher, "layer_done", None)
-        if done is not None:
-            done(self.cache, layer)
+    def _layer_done(self, prefetcher: Prefetcher | None, layer: int) -> None:
+        if prefetcher is not None:
+            prefetcher.layer_done(self.cache, layer)
 
     # -- resident layers: routing after the forward ------------------------------------------------------------
     def _copy_deferred(self):
@@ -294,6 +301,8 @@ class OffloadRuntime:
         entries = []
         for e in needed:
             entry = self.cache.acquire((layer, e))
+            if entry is None:  # a resident cache holds every expert: never short of a slot
+                raise RuntimeError(f"layer {layer}: resident expert {e} has no slot")
             if observe and e in predicted and entry.ready_at_access:
                 self._round_in_time[0] += 1
             entries.append(entry)

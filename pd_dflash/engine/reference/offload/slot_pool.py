@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from pd_dflash.engine.reference.host_sync import to_device
-from pd_dflash.engine.reference.offload.grouped import expert_compute_kind
+from pd_dflash.engine.reference.offload.grouped import expert_compute_choice
 from pd_dflash.engine.reference.offload.store import HostExpertStore
 
 
@@ -46,8 +46,9 @@ class SlotPool:
             (max(store.layer_ids) + 1, store.num_experts), -1, dtype=torch.long, device=device
         )
         self._writes: dict[tuple[int, int], int] = {}  # (layer, expert) → slot, not yet on the device
-        #: ``grouped_mm`` or the named fallback (``offload/grouped.py``): the row's ``engine.expert_compute``.
-        self.expert_compute = expert_compute_kind(self.pool)
+        #: ``grouped_mm`` or the named fallback, and why (``offload/grouped.py``): the row's ``engine.expert_compute``.
+        self.expert_compute_facts = expert_compute_choice(self.pool)
+        self.expert_compute: str = self.expert_compute_facts["path"]
         self.device_slot_nbytes = store.device_slot_nbytes(dtype, linked=linked)
 
     @property

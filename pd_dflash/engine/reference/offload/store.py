@@ -14,13 +14,17 @@ loader (``HostExpertStore`` below; a streaming checkpoint loader the same way):
 3. ``arena = HostArena(total)``, then ``arena.take(shape, dtype)`` per tensor, in order: a view to fill
    (``view.copy_(tensor)``, or read into it), so the source can be dropped tensor by tensor;
 4. ``arena.pin()`` once filled (CUDA): the pages already written are page-locked in place
-   (``cudaHostRegister``): no second copy and no rounding. torch's pinned allocator rounds every allocation up
+   (``cudaHostRegister``): no second copy and no rounding. The arena is an anonymous ``mmap`` (page-aligned)
+   wrapped as ONE tensor, so every view's *storage* starts at the arena's first byte, inside the registered
+   range: ``Tensor.is_pinned()`` asks the driver about the storage's start, not the view's (a ``torch.empty``
+   registered from its next page boundary would leave every view reporting unpinned). torch's pinned allocator rounds every allocation up
    to a power of two (54 GiB of bf16 experts pinned tensor by tensor take 72 GiB, as one block 64 GiB);
    unpinned again when the arena is freed.
 """
 
 from __future__ import annotations
 
+import mmap
 import time
 import weakref
 from collections.abc import Sequence
@@ -49,9 +53,8 @@ class HostArena:
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes, self.used, self.pinned = int(nbytes), 0, False
-        self._base = torch.empty(self.nbytes + PAGE, dtype=torch.uint8)  # untouched pages are not committed
-        start = -self._base.data_ptr() % PAGE
-        self.buffer = self._base[start : start + self.nbytes]
+        self.ranges: list[tuple[int, int]] = []  # (pointer, bytes) registered with cudaHostRegister
+        self.buffer = page_aligned(self.nbytes)
 
     @classmethod
     def size_of(cls, specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:
@@ -75,17 +78,31 @@ class HostArena:
     def pin_range(self, offset: int, nbytes: int, what: str) -> float:
         """Page-lock ``nbytes`` from ``offset`` (page-aligned, disjoint from earlier ranges) in place, e.g. one
         layer as soon as the loader has filled it; returns the seconds ``cudaHostRegister`` took."""
+        if offset % PAGE or offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(
+                f"pinning {what}: [{offset}, +{nbytes}) is not a page-aligned range of the arena"
+            )
         ptr = self.buffer.data_ptr() + offset
         start = time.perf_counter()
         err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
         if err != 0:
             raise RuntimeError(f"pinning {what} ({nbytes:,} B) failed (cudaHostRegister error {err})")
-        weakref.finalize(self, _unpin, ptr, self._base)  # before the memory is freed
+        self.ranges.append((ptr, nbytes))
+        weakref.finalize(self, _unpin, ptr, self.buffer)  # before the memory is freed
         return time.perf_counter() - start
 
     @classmethod
     def _aligned(cls, n: int) -> int:
         return -(-n // cls.ALIGN) * cls.ALIGN
+
+
+def page_aligned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of uncommitted host memory as one uint8 tensor whose storage starts on a page (an anonymous
+    ``mmap``; the tensor keeps the mapping alive)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=torch.uint8)
 
 
 def _unpin(ptr: int, base: torch.Tensor) -> None:

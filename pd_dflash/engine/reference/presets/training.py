@@ -8,13 +8,8 @@ Training always uses ONE thread: the weights are then bit-identical whatever the
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pd_dflash.engine.reference import artifacts
+from pd_dflash.engine.reference.artifacts import build_once, cache_root
 from pd_dflash.engine.reference.families import FAMILY_FILES, family_of
 from pd_dflash.engine.reference.presets.catalog import Preset, build_config, model_class
 
@@ -31,50 +28,12 @@ _CODE_FILES = ("presets/training.py", "presets/catalog.py", "presets/language.py
 
 
 def code_version(files: tuple[str, ...] = _CODE_FILES) -> str:
-    """Hash of the source files that determine a cached artifact (and torch's version): the cache key part."""
-    here = Path(__file__).parents[1]
-    h = hashlib.sha256()
-    for name in files:
-        h.update((here / name).read_bytes())
-    h.update(torch.__version__.split("+")[0].encode())
-    return h.hexdigest()[:12]
-
-
-def cache_root(cache_dir: str | None = None) -> Path:
-    """engine_options.cache_dir, else $PD_DFLASH_CACHE, else ~/.cache/pd-dflash."""
-    root = cache_dir or os.environ.get("PD_DFLASH_CACHE") or str(Path.home() / ".cache" / "pd-dflash")
-    return Path(root).expanduser()
+    """The presets' cache key part (``artifacts.code_version`` of their source files by default)."""
+    return artifacts.code_version(files)
 
 
 def preset_dir(preset: Preset, seed: int, cache_dir: str | None = None) -> Path:
     return cache_root(cache_dir) / "presets" / f"{preset.name}-s{seed}-{code_version()}"
-
-
-def build_once(path: Path, build: Callable[[Path], dict[str, Any]]) -> bool:
-    """Build a cached artifact directory once across processes; True when this call built it.
-
-    Runners on one box may ask for the same preset at once: an fcntl lock serialises them, ``build`` writes the
-    artifact into a temporary directory and returns its card, and the directory is published with an atomic
-    rename. ``card.json``, written last, marks a complete artifact.
-    """
-    if (path / "card.json").exists():
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f"{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (path / "card.json").exists():
-            return False
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-        try:
-            card = build(tmp)
-            (tmp / "card.json").write_text(json.dumps(card, indent=2, sort_keys=True) + "\n")
-            if path.exists():  # a half-written directory from a crashed run (no card.json)
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return True
 
 
 def load_preset(preset: Preset, seed: int = 0, cache_dir: str | None = None) -> tuple[torch.nn.Module, dict]:

@@ -185,7 +185,8 @@ def engine_facts(m: CellMeasurement, overlap: dict[str, Any] | None) -> dict[str
         **extra,
         # Device→host reads of the timed loop (host_sync.py): a resident forward has none per MoE layer.
         "host_syncs": host_sync.COUNTER.facts(len(m.rounds), tokens),
-        "expert_compute": rt.cache.slots.expert_compute,
+        # The path, why, and on CUDA the capability and the grouped_mm probe (offload/grouped.py).
+        "expert_compute": rt.cache.slots.expert_compute_facts,
         # Same prompts, same tokens: offloading must not change outputs (equal digests at equal output lengths).
         "output_digest": hashlib.sha256(json.dumps([r.output for r in m.requests]).encode()).hexdigest()[:16],
         "batch": batch_facts(m.rounds),
@@ -279,9 +280,8 @@ def prediction_facts(rt: OffloadRuntime, expert_nbytes: int) -> dict[str, Any]:
     if st.wasted_prefetch_bytes is not None:
         facts["mispredicted_bytes"] = mispredicted * expert_nbytes
         facts["wasted_on_rejected_rows_bytes"] = on_rejected * expert_nbytes
-    counters = getattr(rt.prefetcher, "counters", None)
-    if counters:
-        facts["issue"] = dict(counters)
+    if rt.prefetcher is not None and rt.prefetcher.counters:
+        facts["issue"] = dict(rt.prefetcher.counters)
     return facts
 
 

@@ -1,7 +1,8 @@
-"""Intervals on the host clock: unions, differences and coverage (pure Python, no torch).
+"""Intervals on a clock: unions, differences and coverage (pure Python): the one interval-union helper.
 
 Transfer time is the union of transfer spans, never their sum: two streams copying at once share the link, so
-a sum would count the shared time twice. The same helpers give the BM4 overlap (``offload/overlap.py``).
+a sum would count the shared time twice. The same helpers give the BM4 overlap, from the reference engine's own
+timestamps (``engine/reference/offload/overlap.py``) and from nsys exports (``overlap.py``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from collections.abc import Iterable
 Interval = tuple[float, float]
 
 
-def merge(intervals: Iterable[Interval]) -> list[Interval]:
-    """The union as sorted, disjoint intervals (empty ones dropped; touching ones joined)."""
+def merge(intervals: Iterable[Interval], *, keep_empty: bool = False) -> list[Interval]:
+    """The union as sorted, disjoint intervals (touching ones joined; empty ones dropped unless ``keep_empty``:
+    nsys's zero-length ranges, which an instant memcpy may hit)."""
     out: list[Interval] = []
     for a, b in sorted(intervals):
-        if b <= a:
+        if b <= a and not keep_empty:
             continue
         if out and a <= out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], b))
