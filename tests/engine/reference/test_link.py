@@ -151,3 +151,81 @@ def test_the_reference_engine_never_synchronizes_the_whole_device():
         if "cuda.synchronize(" in line.replace(" ", "")
     ]
     assert device_wide == []
+
+
+def batch(lnk, n=2, nbytes=1000, band=1, land=None, dst=None):
+    b = lnk.batch(band)
+    members = [b.add(dst[i] if dst else [torch.empty(1)], [torch.ones(1)], nbytes, slot=i) for i in range(n)]
+    lnk.submit_batch(b, land)
+    return members
+
+
+def test_a_batch_moves_as_one_item_whose_transfers_land_together_at_its_end():
+    lnk, clock = link(window=1)
+    ms = batch(lnk, n=3)
+    p = submit(lnk)
+    assert lnk.pending() == {"queued": 1, "prefetch_stream": 1, "demand": 0}  # the batch takes one place
+    clock.now = 2.5
+    assert not any(lnk.done(m) for m in ms)
+    lnk.wait(ms[0])
+    lnk.wait(p)
+    assert [lnk.span(m) for m in ms] == [pytest.approx((0.0, 3.0))] * 3  # the bytes' time, unchanged
+    assert lnk.span(p) == pytest.approx((3.0, 4.0))
+
+
+def test_a_batch_is_one_copy_and_one_landing_call_for_all_its_slots():
+    lnk, _ = link()
+    dst, landed = [[torch.zeros(2)] for _ in range(3)], []
+    ms = batch(lnk, n=3, dst=dst, land=landed.append)
+    lnk.wait(ms[-1])
+    assert landed == [[0, 1, 2]]
+    assert all(torch.equal(d[0], torch.ones(2)) for d in dst)
+
+
+def test_the_host_queue_serves_route_ahead_before_background():
+    lnk, clock = link(window=1)
+    first = submit(lnk)
+    background = lnk.submit([torch.empty(1)], [torch.ones(1)], 1000, demand=False, band=2)
+    route = batch(lnk, n=1, band=1)[0]
+    clock.now = 10.0
+    assert lnk.done(background) and lnk.done(route)
+    assert lnk.span(first) == (0.0, 1.0)
+    assert lnk.span(route) == pytest.approx((1.0, 2.0))  # submitted later, served first
+    assert lnk.span(background) == pytest.approx((2.0, 3.0))
+
+
+def test_an_on_demand_band_batch_goes_on_the_demand_stream_at_once():
+    lnk, _ = link(window=1)
+    submit(lnk)
+    ms = batch(lnk, n=2, band=0)
+    assert lnk.pending() == {"queued": 0, "prefetch_stream": 1, "demand": 1}
+    lnk.wait(ms[0])
+    assert lnk.span(ms[0]) == pytest.approx((0.0, 3.0))  # shares the link with p from the start
+    assert not ms[0].demand  # still a prefetch to the cache's accounting
+
+
+def test_promoting_a_transfer_of_a_queued_batch_takes_it_out_alone():
+    lnk, clock = link(window=1)
+    submit(lnk)
+    landed = []
+    ms = batch(lnk, n=3, land=landed.append)
+    clock.now = 0.5
+    assert lnk.wait(ms[1]) == pytest.approx(1.5)  # on the demand stream, sharing with the first prefetch
+    assert landed == [[1]]
+    lnk.wait(ms[0])
+    assert landed == [[1], [0, 2]]
+    assert lnk.span(ms[0]) == lnk.span(ms[2]) == pytest.approx((2.0, 4.0))  # the rest: two transfers' time
+
+
+def test_bands_are_checked():
+    lnk, _ = link()
+    with pytest.raises(ValueError, match="band"):
+        lnk.batch(3)
+
+
+def test_without_emulation_a_batch_is_copied_and_landed_at_submit():
+    lnk = HostLink(None)
+    dst, landed = [[torch.zeros(1)] for _ in range(2)], []
+    ms = batch(lnk, n=2, dst=dst, land=landed.append)
+    assert all(lnk.done(m) for m in ms) and landed == [[0, 1]]
+    assert all(torch.equal(d[0], torch.ones(1)) for d in dst)

@@ -85,11 +85,12 @@ def meta_layers(layout: ExpertLayout) -> dict[int, torch.Tensor]:
 
 
 def part_views(layout: ExpertLayout, row: torch.Tensor) -> list[torch.Tensor]:
-    """One expert's bytes (``[expert_nbytes]`` uint8, host or device) as its parts, in their dtypes and shapes."""
-    out, offset = [], 0
+    """One expert's bytes (``[expert_nbytes]`` uint8, host or device) as its parts, in their dtypes and shapes;
+    a batch of experts (``[n, expert_nbytes]``) as ``[n, *shape]`` parts."""
+    out, offset, lead = [], 0, tuple(row.shape[:-1])
     for p in layout.parts:
-        chunk = row[offset : offset + p.nbytes]
-        out.append(chunk.view(TORCH_DTYPES[p.dtype]).view(p.shape))
+        chunk = row[..., offset : offset + p.nbytes]
+        out.append(chunk.view(TORCH_DTYPES[p.dtype]).view(*lead, *p.shape))
         offset += p.nbytes
     return out
 
@@ -134,8 +135,13 @@ class CheckpointExpertStore(HostExpertStore):
             offset += p.nbytes
         return out
 
+    #: ``dequantize`` takes a batch of slots (``[[n, expert_nbytes]]`` → ``[n, ...]`` tensors): ``SlotPool``
+    #: lands a layer's prefetches in one call.
+    batched_dequantize = True
+
     def dequantize(self, slot: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        """The expert's compute tensors from its slot (on the device where it is computed; once per landing)."""
+        """The expert's compute tensors from its slot (on the device where it is computed; once per landing), or
+        a batch of experts' from their slots' rows."""
         parts = part_views(self.layout, slot[0])
         if self.storage == "mxfp4":
             return mxfp4.expert_weights(parts, dtype)

@@ -25,12 +25,14 @@ slots, what the store holds and the link moves); the device bytes per slot are `
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from pd_dflash.engine.reference.offload.batching import Batching
 from pd_dflash.engine.reference.offload.eviction import POLICIES, Evictor, RoundPlan
-from pd_dflash.engine.reference.offload.link import Link
+from pd_dflash.engine.reference.offload.link import ROUTE_AHEAD, Link
 from pd_dflash.engine.reference.offload.slot_pool import SlotPool
 from pd_dflash.engine.reference.offload.store import HostExpertStore
 from pd_dflash.intervals import SpanUnion
@@ -127,6 +129,8 @@ class ExpertCache:
         self.transfer_log: list[tuple[float, float, int, bool]] = []
         self.stall_log: list[tuple[float, float]] = []
         self._link_busy = SpanUnion()
+        #: The batched issue (``offload/batching.py``): a layer's prefetches on the link as one batch.
+        self.batching = Batching(self, _Entry)
         if self.link is None:
             self._load_all()
 
@@ -250,6 +254,18 @@ class ExpertCache:
         self._offer(entry)
         return True
 
+    def batched(self, band: int = ROUTE_AHEAD):
+        """A context: prefetches made inside go on the link in ``band`` as ONE batch per layer (one copy
+        dispatch, one landing call, one event pair; ``offload/batching.py``)."""
+        return self.batching.batched(band)
+
+    def prefetch_many(
+        self, keys: Sequence[Key], *, speculative: bool = False, band: int = ROUTE_AHEAD
+    ) -> tuple[int, int]:
+        """``prefetch`` of each key in order as one batched issue, stopping at the first key that finds no slot;
+        returns (keys handled, transfers started)."""
+        return self.batching.prefetch_many(keys, speculative, band)
+
     def is_ready(self, key: Key) -> bool:
         """Resident and its transfer landed."""
         entry = self.entries.get(key)
@@ -303,11 +319,16 @@ class ExpertCache:
 
     def _insert(self, key: Key, slot: int, demand: bool) -> _Entry:
         nbytes = self.store.expert_nbytes
-        land = self.slots.lander(slot)
-        self.counters.dequantized_landings += land is not None
-        transfer = self.link.submit(
-            self.slots.slot_views[slot], self.store.payload(*key), nbytes, demand, after=slot, land=land
-        )
+        if demand or self.batching.band is None:
+            self.batching.flush()
+            land = self.slots.lander(slot)
+            self.counters.dequantized_landings += land is not None
+            transfer = self.link.submit(
+                self.slots.slot_views[slot], self.store.payload(*key), nbytes, demand, after=slot, land=land
+            )
+        else:
+            transfer = self.batching.add(key, slot)
+            self.counters.dequantized_landings += not self.slots.direct
         self.slots.set(key, slot)
         entry = _Entry(key, slot, transfer, inserted_round=self.round, prefetched=not demand)
         self.entries[key] = entry

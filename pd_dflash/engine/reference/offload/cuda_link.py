@@ -1,8 +1,10 @@
 """``CudaLink``: the link of ``offload/link.py`` (its policy and interface are documented there) on a CUDA device.
 
-Two copy streams from pinned host memory (the arena of ``offload/store.py``): demand copies on one, at most
-``window`` prefetches on the other with the rest queued on the host, each prefetch issued after a demand copy
-waiting for the event recorded after it. Every call pumps the host queue (retires landed prefetches, issues
+Two copy streams from pinned host memory (the arena of ``offload/store.py``): demand copies (band 0) on one, at
+most ``window`` prefetches on the other with the rest queued on the host by band (route-ahead before
+background), each prefetch issued after a demand copy waiting for the event recorded after it. A batch is one
+``torch._foreach_copy_`` and one landing call between ONE event pair, after one wait per distinct slot-free event
+of its slots. Every call pumps the host queue (retires landed prefetches, issues
 the next), and so does every host wait that goes through the link (``synchronize``, ``host_wait``): while
 prefetches wait on the host, the link polls instead of blocking. Compute waits only for the experts it needs
 (``wait_event`` on the compute stream) and the stall is measured on the GPU by an event pair around the wait.
@@ -19,7 +21,16 @@ from collections import deque
 import torch
 
 from pd_dflash.engine.nvtx_ranges import nvtx_range
-from pd_dflash.engine.reference.offload.link import PREFETCH_WINDOW, Transfer
+from pd_dflash.engine.reference.offload.link import (
+    BACKGROUND,
+    ON_DEMAND,
+    PREFETCH_WINDOW,
+    ROUTE_AHEAD,
+    Batch,
+    Transfer,
+    check_band,
+    detach,
+)
 
 
 class CudaLink:
@@ -33,7 +44,7 @@ class CudaLink:
         self.device, self.window, self._clock = device, window, clock
         self.demand_stream = torch.cuda.Stream(device=device)
         self.prefetch_stream = torch.cuda.Stream(device=device)
-        self._queue: deque[Transfer] = deque()  # host queue
+        self._bands: dict[int, deque[Transfer]] = {ROUTE_AHEAD: deque(), BACKGROUND: deque()}  # host queue
         self._window: deque[Transfer] = deque()  # issued on the prefetch stream, not yet known landed
         self._last_demand: torch.cuda.Event | None = None  # after the last demand copy
         self._gated: torch.cuda.Event | None = None  # the demand event the prefetch stream already waits for
@@ -49,18 +60,43 @@ class CudaLink:
             "prefetch_window": self.window,
         }
 
-    def submit(self, dst, src, nbytes: int, demand: bool, after: int | None = None, land=None) -> Transfer:
+    def submit(
+        self,
+        dst,
+        src,
+        nbytes: int,
+        demand: bool,
+        after: int | None = None,
+        land=None,
+        band: int | None = None,
+    ) -> Transfer:
         t = Transfer(nbytes, demand, dst, src, next(self._seq), after, self._clock(), land)
-        if demand:
+        if band is not None:
+            t.band = ON_DEMAND if demand else check_band(band)
+        return self._put(t)
+
+    def batch(self, band: int = ROUTE_AHEAD) -> Batch:
+        return Batch(self._seq, self._clock, band)
+
+    def submit_batch(self, batch: Batch, land_many=None) -> Transfer | None:
+        return self._put(batch.transfer(land_many)) if batch.members else None
+
+    def _put(self, t: Transfer) -> Transfer:
+        if t.band == ON_DEMAND:
             self._issue(t, self.demand_stream)
         else:
-            self._queue.append(t)
+            self._bands[t.band].append(t)
         self._pump()
         return t
 
     def promote(self, t: Transfer) -> None:
         if not t.issued:
-            self._queue.remove(t)
+            if t.batch is not None:
+                empty = detach(t)
+                if empty is not None:
+                    self._bands[empty.band].remove(empty)
+            else:
+                self._bands[t.band].remove(t)
             t.promoted = True
             self._issue(t, self.demand_stream)
 
@@ -133,10 +169,11 @@ class CudaLink:
 
     def pending(self) -> dict[str, int]:
         self._pump()
-        return {"queued": len(self._queue), "prefetch_stream": len(self._window)}
+        return {"queued": sum(len(q) for q in self._bands.values()), "prefetch_stream": len(self._window)}
 
     def close(self) -> None:
-        self._queue.clear()
+        for q in self._bands.values():
+            q.clear()
         self.demand_stream.synchronize()
         self.prefetch_stream.synchronize()
 
@@ -146,35 +183,54 @@ class CudaLink:
         t.ref = self._ref
         t.start_event = torch.cuda.Event(enable_timing=True)
         t.end_event = torch.cuda.Event(enable_timing=True)
+        members = t.members
         with torch.cuda.stream(stream), nvtx_range("expert_h2d"):
-            self._wait_slot_free(stream, t.slot)
+            self._wait_slots_free(stream, [m.slot for m in members] if members is not None else [t.slot])
             if stream is self.prefetch_stream and self._last_demand is not self._gated:
                 stream.wait_event(self._last_demand)  # yield to the demand copies submitted before
                 self._gated = self._last_demand
             t.start_event.record(stream)
-            for d, s in zip(t.dst, t.src, strict=True):
-                d.copy_(s, non_blocking=True)
-            if t.land is not None:
-                t.land()  # dequantise into the slot pool on the copy stream, after the copy
+            if members is not None:  # a batch: one copy dispatch, one landing call
+                torch._foreach_copy_(
+                    [d for m in members for d in m.dst],
+                    [x for m in members for x in m.src],
+                    non_blocking=True,
+                )
+                if t.land_many is not None:
+                    t.land_many([m.slot for m in members])
+            else:
+                for d, x in zip(t.dst, t.src, strict=True):
+                    d.copy_(x, non_blocking=True)
+                if t.land is not None:
+                    t.land()  # dequantise into the slot pool on the copy stream, after the copy
             t.end_event.record(stream)
-        t.dst = t.src = t.land = None
+        t.dst = t.src = t.land = t.land_many = None
         t.issued = True
+        for m in members or ():
+            m.dst = m.src = None
+            m.ref, m.start_event, m.end_event, m.issued = t.ref, t.start_event, t.end_event, True
         if stream is self.demand_stream:
             self._last_demand = t.end_event
         else:
             self._window.append(t)
 
-    def _wait_slot_free(self, stream: torch.cuda.Stream, slot: int | None) -> None:
-        freed = self._slot_free.get(slot) if slot is not None else None
-        if freed is not None:
-            stream.wait_event(freed)
+    def _wait_slots_free(self, stream: torch.cuda.Stream, slots: list[int | None]) -> None:
+        """The copy stream waits for the compute that last read each slot: each distinct event once (a layer's
+        slots share one ``record_use`` event)."""
+        waited: set[int] = set()
+        for slot in slots:
+            freed = self._slot_free.get(slot) if slot is not None else None
+            if freed is not None and id(freed) not in waited:
+                waited.add(id(freed))
+                stream.wait_event(freed)
 
     def _pump(self) -> None:
         """Retire landed prefetches (FIFO on one stream) and issue queued ones while the window has room."""
         while self._window and self._landed(self._window[0]):
             self._window.popleft()
-        while self._queue and len(self._window) < self.window:
-            self._issue(self._queue.popleft(), self.prefetch_stream)
+        for queue in self._bands.values():
+            while queue and len(self._window) < self.window:
+                self._issue(queue.popleft(), self.prefetch_stream)
 
     def _landed(self, t: Transfer) -> bool:
         if not t.complete and t.issued and t.end_event.query():
@@ -183,7 +239,7 @@ class CudaLink:
 
     def _host_wait_event(self, event: torch.cuda.Event) -> None:
         """Block the host until ``event``; while prefetches wait on the host, keep issuing them (polling)."""
-        while self._queue and not event.query():
+        while any(self._bands.values()) and not event.query():
             self._pump()
             time.sleep(0)
         event.synchronize()

@@ -207,6 +207,23 @@ class Evictor:
         else:
             self._push(key, stamp, rank)
 
+    def add_new(self, items: list[tuple[Key, Stamp]]) -> None:
+        """``add`` of keys the evictor does not hold (a batch of new entries), in one heap update."""
+        rank_of, live, tokens, new = self.rank, self._live, self._tokens, []
+        for key, stamp in items:
+            if key in live or key in self._held:
+                self.add(key, stamp)
+                continue
+            rank, token = rank_of(key, stamp), next(tokens)
+            live[key] = (token, stamp, rank)
+            new.append((rank, token, key))
+        if len(new) > len(self._heap) // 4:
+            self._heap += new
+            heapq.heapify(self._heap)
+        else:
+            for item in new:
+                heapq.heappush(self._heap, item)
+
     def hold(self, key: Key) -> None:
         """``key`` is pinned (and touched): no candidate until ``add`` offers it again."""
         if self.policy != "lru":
@@ -224,8 +241,9 @@ class Evictor:
     def rerank(self, keys: Iterable[Key], *, rising: bool = False) -> None:
         """The plan's knowledge of ``keys`` changed: those held are re-ranked before the next victim is chosen
         (``rising``: their rank did not fall, so their heap items still rank them no higher: just noted)."""
-        if rising:
-            self._rising.update(self._live.keys() & set(keys))
+        if rising:  # O(len(keys)): a view ∩ set would copy every held key per call
+            live = self._live
+            self._rising.update(k for k in keys if k in live)
         else:
             self._dirty.update(keys)
 

@@ -15,6 +15,16 @@ here emulates the same):
 - ``promote(t)``: compute now needs a prefetch. If it is still in the host queue it is re-issued on the demand
   stream (behind earlier demand transfers, ahead of every prefetch); one already on the prefetch stream keeps
   its place (at most ``window`` transfers are ahead of it there).
+- **Bands** (upstream's priority band, BM3): on-demand 0 < route-ahead 1 < background 2. Band 0 goes on the
+  demand stream at once (a demand transfer, or a prefetch served at on-demand priority); the host queue serves
+  band 1 before band 2, FIFO within a band. Background is the prediction made before the router pass has run:
+  the AR prefetcher's next-layer guesses and route-ahead's history issue at the end of a verify.
+- **Batches** (``batch`` + ``submit_batch``, BM2's batched mode): a layer's prefetches go on the link as ONE item:
+  one copy dispatch (``torch._foreach_copy_``), one landing call for all their slots (``SlotPool.lander``), one
+  event pair on CUDA, the slot-free waits of its slots folded into it (each distinct event once). Its link time
+  is the sum of its transfers' (the byte timing is unchanged); its transfers land together, at its end. A batch
+  takes one place in the window; promoting a transfer of a batch still in the host queue takes it out of the
+  batch onto the demand stream (the rest of the batch keeps its place).
 - A copy into a slot starts only after the compute that last read the slot has finished (``record_use``).
 - Every span is on the host's ``perf_counter`` clock: CPU transfers run on the emulated timeline; CUDA events
   are placed on it through a reference event recorded at each compute synchronization (the compute stream is
@@ -37,58 +47,25 @@ from typing import Protocol
 import torch
 
 from pd_dflash.engine.nvtx_ranges import nvtx_range
+from pd_dflash.engine.reference.offload.transfer import (
+    BACKGROUND,
+    BANDS,
+    ON_DEMAND,
+    ROUTE_AHEAD,
+    Batch,
+    Transfer,
+    check_band,
+    detach,
+    mark_issued,
+    mark_landed,
+    started,
+)
 
-#: Prefetches on the prefetch stream at once: enough to keep the link busy while the host reacts to a
-#: completion, few enough that a demand copy shares the link with little.
+__all__ = ["BACKGROUND", "BANDS", "ON_DEMAND", "PREFETCH_WINDOW", "ROUTE_AHEAD", "Batch", "Link", "Transfer"]
+
+#: Prefetches (or batches) on the prefetch stream at once: enough to keep the link busy while the host reacts to
+#: a completion, few enough that a demand copy shares the link with little.
 PREFETCH_WINDOW = 2
-
-
-class Transfer:
-    """One expert's host→device copy."""
-
-    __slots__ = (
-        "complete",
-        "demand",
-        "dst",
-        "end",
-        "end_event",
-        "gate",
-        "issued",
-        "land",
-        "nbytes",
-        "promoted",
-        "ref",
-        "seq",
-        "slot",
-        "src",
-        "start",
-        "start_event",
-        "submitted",
-        "work",
-    )
-
-    def __init__(
-        self, nbytes: int, demand: bool, dst, src, seq: int, slot: int | None, submitted: float, land=None
-    ):
-        self.nbytes, self.demand, self.dst, self.src, self.seq, self.slot = (
-            nbytes,
-            demand,
-            dst,
-            src,
-            seq,
-            slot,
-        )
-        self.submitted = submitted
-        self.land = land  # run after the copy (the cache's dequantisation into the slot pool), or None
-        #: Left the host queue (on a stream); re-issued on the demand stream by ``promote``.
-        self.issued = self.promoted = False
-        #: Landed, remembered after the first positive query.
-        self.complete = False
-        self.start: float | None = None
-        self.end: float | None = None
-        self.work = 0.0  # emulated: link seconds still to serve
-        self.gate: Transfer | None = None  # emulated: the demand transfer this prefetch waits for
-        self.start_event = self.end_event = self.ref = None  # CUDA
 
 
 class Link(Protocol):
@@ -112,6 +89,16 @@ class Link(Protocol):
         dequantisation into its slot pool; on CUDA on the copy stream, before the transfer's end event), so a
         transfer has landed only once its slot holds compute weights; returns the ``Transfer``. A demand transfer
         goes on the demand stream at once, a prefetch into the host queue (the policy above)."""
+        ...
+
+    def batch(self, band: int = ROUTE_AHEAD) -> Batch:
+        """An empty batch of prefetches in ``band`` (``Batch.add`` each, then ``submit_batch``)."""
+        ...
+
+    def submit_batch(self, batch: Batch, land_many=None) -> Transfer | None:
+        """Put ``batch`` on the link as one item (the module doc's batches), landing its members' slots with ONE
+        ``land_many(slots)`` call after their copies; in band 0 it goes on the demand stream at once, else into the
+        host queue. Returns the item (None for an empty batch)."""
         ...
 
     def promote(self, t: Transfer) -> None:
@@ -168,11 +155,21 @@ class Link(Protocol):
 
 def _copy(t: Transfer) -> None:
     with nvtx_range("expert_h2d"):
-        for d, s in zip(t.dst, t.src, strict=True):
-            d.copy_(s)
-        if t.land is not None:
-            t.land()
-    t.dst = t.src = t.land = None
+        if t.members is not None:
+            if t.members:
+                torch._foreach_copy_(
+                    [d for m in t.members for d in m.dst], [s for m in t.members for s in m.src]
+                )
+            if t.land_many is not None and t.members:
+                t.land_many([m.slot for m in t.members])
+            for m in t.members:
+                m.dst = m.src = None
+        else:
+            for d, s in zip(t.dst, t.src, strict=True):
+                d.copy_(s)
+            if t.land is not None:
+                t.land()
+    t.dst = t.src = t.land = t.land_many = None
 
 
 class HostLink:
@@ -202,7 +199,8 @@ class HostLink:
         #: "host": not a device link at all, a host-to-host memcpy (rows must not claim a real H2D link).
         self.kind = "emulated" if gbps else "host"
         self._clock, self._sleep = clock, sleep
-        self._queue: deque[Transfer] = deque()  # host queue (prefetches not yet on a stream)
+        #: The host queue (prefetches not yet on a stream), one FIFO per band after on-demand, served in order.
+        self._bands: dict[int, deque[Transfer]] = {ROUTE_AHEAD: deque(), BACKGROUND: deque()}
         self._stream: deque[Transfer] = deque()  # the prefetch stream (≤ window)
         self._demand: deque[Transfer] = deque()  # the demand stream
         self._now = clock()  # the simulated timeline is known up to here
@@ -226,28 +224,53 @@ class HostLink:
         demand: bool,
         after=None,
         land=None,
+        band: int | None = None,
     ):
         now = self._clock()
         t = Transfer(nbytes, demand, dst, src, next(self._seq), after, now, land)
+        if band is not None:
+            t.band = ON_DEMAND if demand else check_band(band)
+        return self._put(t, now)
+
+    def batch(self, band: int = ROUTE_AHEAD) -> Batch:
+        return Batch(self._seq, self._clock, band)
+
+    def submit_batch(self, batch: Batch, land_many=None) -> Transfer | None:
+        if not batch.members:
+            return None
+        b = batch.transfer(land_many)
+        return self._put(b, b.submitted)
+
+    def _put(self, t: Transfer, now: float) -> Transfer:
         if not self.gbps:
-            t.start = now
+            started(t, now)
             _copy(t)
-            t.end, t.issued, t.complete = self._clock(), True, True
+            mark_landed(t, self._clock())
+            for m in (t, *(t.members or ())):
+                m.issued = m.complete = True
             return t
         self._advance(now)
-        t.work = nbytes / (self.gbps * 1e9) + self.latency_us * 1e-6
-        if demand:
-            t.issued = True
+        per = 1.0 / (self.gbps * 1e9)
+        for m in t.members or ():
+            m.work = m.nbytes * per + self.latency_us * 1e-6
+        t.work = sum(m.work for m in t.members) if t.members else t.nbytes * per + self.latency_us * 1e-6
+        if t.band == ON_DEMAND:
+            mark_issued(t)
             self._demand.append(t)
         else:
-            self._queue.append(t)
+            self._bands[t.band].append(t)
         self._advance(now)
         return t
 
     def promote(self, t: Transfer) -> None:
         self._advance(self._clock())
         if not t.issued:
-            self._queue.remove(t)
+            if t.batch is not None:
+                empty = detach(t)
+                if empty is not None:
+                    self._bands[empty.band].remove(empty)
+            else:
+                self._bands[t.band].remove(t)
             t.issued = t.promoted = True
             self._demand.append(t)
             self._advance(self._now)
@@ -292,10 +315,12 @@ class HostLink:
         pass  # CPU compute has finished reading a slot when it returns
 
     def pending(self) -> dict[str, int]:
-        return {"queued": len(self._queue), "prefetch_stream": len(self._stream), "demand": len(self._demand)}
+        queued = sum(len(q) for q in self._bands.values())
+        return {"queued": queued, "prefetch_stream": len(self._stream), "demand": len(self._demand)}
 
     def close(self) -> None:
-        self._queue.clear()
+        for q in self._bands.values():
+            q.clear()
         self._stream.clear()
         self._demand.clear()
 
@@ -314,7 +339,7 @@ class HostLink:
                 break
             for t in active:
                 if t.start is None:
-                    t.start = now
+                    started(t, now)
                     _copy(t)
             least = min(t.work for t in active)
             finish = now + least * len(active)
@@ -327,16 +352,20 @@ class HostLink:
             for t in active:
                 t.work -= least
                 if t.work <= least * 1e-9:
-                    t.work, t.end = 0.0, now
-                    (self._demand if t.demand or t.promoted else self._stream).remove(t)
+                    t.work = 0.0
+                    mark_landed(t, now)
+                    (self._demand if t.band == ON_DEMAND or t.promoted else self._stream).remove(t)
         self._now = max(self._now, now)
 
     def _commit(self) -> None:
-        """Fill the prefetch window from the host queue; each waits for the demand transfers before it."""
-        while len(self._stream) < self.window and self._queue:
-            t = self._queue.popleft()
-            t.issued, t.gate = True, (self._demand[-1] if self._demand else None)
-            self._stream.append(t)
+        """Fill the prefetch window from the host queue, band by band; each waits for the demand transfers
+        before it."""
+        for queue in self._bands.values():
+            while len(self._stream) < self.window and queue:
+                t = queue.popleft()
+                mark_issued(t)
+                t.gate = self._demand[-1] if self._demand else None
+                self._stream.append(t)
 
     def _active(self) -> list[Transfer]:
         active = [self._demand[0]] if self._demand else []

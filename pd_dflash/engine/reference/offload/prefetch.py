@@ -11,7 +11,9 @@ pieces of history, both learned online from what the target really routed during
 - per request, decayed activation counts at the first MoE layer: before a round, each request's top-k of
   those counts is prefetched for the first layer (a topic reuses its experts).
 
-With no history yet it predicts nothing (an empty prediction, never a guess). ``issue=False`` makes it
+With no history yet it predicts nothing (an empty prediction, never a guess). Its guesses are the link's
+background band (``offload/link.py``: served after on-demand and route-ahead transfers), each layer's in one
+batch. ``issue=False`` makes it
 observe-only (B3: experts are resident, but the prediction quality is still measured on the same scale).
 
 Before a verify it knows no layer but the first, so what it expects a request's next verify to fetch (``keys``,
@@ -25,6 +27,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from pd_dflash.engine.reference.offload.link import BACKGROUND
 
 
 class ActivationAwarePrefetcher:
@@ -121,9 +125,10 @@ class ActivationAwarePrefetcher:
 
     def _issue(self, cache, layer: int, predicted: set[int]) -> None:
         self.predicted[layer] = frozenset(predicted)
-        if self.issue:
-            for e in sorted(predicted):
-                cache.prefetch((layer, e), speculative=True)
+        rest = [(layer, e) for e in sorted(predicted)] if self.issue else []
+        while rest:  # one batched issue; a key that finds no slot is dropped and the next one tried
+            done, _ = cache.prefetch_many(rest, speculative=True, band=BACKGROUND)
+            rest = rest[done + 1 :]
 
 
 def _top(scores: np.ndarray, k: int) -> list[int]:

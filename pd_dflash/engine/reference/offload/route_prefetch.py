@@ -37,6 +37,11 @@ predicts from the router pass alone.
    after every verify layer again (``after_layer``, ``layer_done``): a prefetch that finds no victim it may take
    (every other slot reserved for a layer still to run) waits until a layer has run and frees its keys.
 
+Each pump goes on the link as one batch per layer (``ExpertCache.batched``: one copy dispatch, one landing call,
+one event pair). The router pass's predictions are the link's route-ahead band (``band``, default 1); the
+history issued at the end of a verify, a guess made before any router pass, is background (band 2), so a
+router-pass key overtakes a queued history key (BM3 sets ``band`` to 0, 1 or 2 and compares).
+
 A resident key is only reserved: it costs no issue capacity. A key whose layer starts before it was issued is
 dropped (``late``) and, if routed, fetched on demand (correct-on-miss): a misprediction costs link time and a
 slot, never correctness.
@@ -44,9 +49,8 @@ slot, never correctness.
 
 from __future__ import annotations
 
-import bisect
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,6 +58,8 @@ import torch
 
 from pd_dflash.engine.nvtx_ranges import nvtx_range
 from pd_dflash.engine.reference import host_sync
+from pd_dflash.engine.reference.offload.issue_queue import IssueQueue
+from pd_dflash.engine.reference.offload.link import BACKGROUND, ROUTE_AHEAD, check_band
 from pd_dflash.engine.reference.offload.verify_width import CostAwareWidth, new_bytes_per_row
 
 if TYPE_CHECKING:
@@ -77,8 +83,11 @@ class RouteAheadPrefetcher:
         width: CostAwareWidth | None = None,
         expert_nbytes: int = 0,
         reuse_prefix: bool = True,
+        band: int = ROUTE_AHEAD,
     ) -> None:
         layers = target.model.model.layers
+        #: The link band of the router pass's predictions (``offload/link.py``); history goes as background.
+        self.band = check_band(band)
         self.target, self.top_k, self.issue, self.use_history = target, top_k, issue, history
         #: The verify resumes from the router pass's first-layer work (``decoding/target.Prefix``) instead of redoing it.
         self.reuse_prefix = reuse_prefix
@@ -293,7 +302,7 @@ class RouteAheadPrefetcher:
         keys = {k for rid, _ in self._owners if rid not in finished for k in self.keys(rid)}
         self.counters["history_issued"] += sum(1 for k in keys if not cache.contains(k))
         self._enqueue(keys)
-        self._pump(cache)
+        self._pump(cache, BACKGROUND)
 
     def forget(self, rid: object) -> None:
         for table in (self.routes, self.history, self.exact, self.row_keys):
@@ -369,31 +378,45 @@ class RouteAheadPrefetcher:
                 out |= {(layer, e) for e in sure}
         return out
 
-    def _pump(self, cache) -> None:
-        """Issue queued keys in layer order until one finds no slot it may take (retried after the next layer)."""
+    def _pump(self, cache, band: int | None = None) -> None:
+        """Issue queued keys in layer order until one finds no slot it may take (retried after the next layer):
+        each run of keys of one confidence as ONE batched issue (``ExpertCache.prefetch_many``: a link batch per
+        layer), in ``band`` (default: the router pass's, ``self.band``)."""
         if not self.issue or cache.resident or not self._queue:
             return
-        confident = self._confident()
+        confident, band = self._confident(), self.band if band is None else band
         speculative_blocked = False  # a speculative prefetch found no unwanted slot: no later one will either
-        queue, kept = self._queue, []
-        with nvtx_range("route_ahead_issue"):
-            for i, item in enumerate(queue.order):
-                key = item[2]
-                cached = cache.contains(key)
-                sure = key in confident
-                if not sure and speculative_blocked and not cached:
-                    kept.append(item)
+        queue, kept, order, i = self._queue, [], self._queue.order, 0
+        with nvtx_range("route_ahead_issue"), cache.batched(band):
+            while i < len(order):
+                sure = order[i][2] in confident
+                if not sure and speculative_blocked:  # only a cached key still goes (a touch)
+                    if cache.contains(order[i][2]):
+                        cache.prefetch(order[i][2], speculative=True)
+                        queue.keys.discard(order[i][2])
+                        self.counters["already_cached"] += 1
+                    else:
+                        kept.append(order[i])
+                    i += 1
                     continue
-                if not cache.prefetch(key, speculative=not sure):
-                    self.counters["waited_for_a_slot"] += 1
-                    if sure:
-                        kept += queue.order[i:]
-                        break
-                    speculative_blocked = True
-                    kept.append(item)
+                j = i + 1
+                while j < len(order) and (order[j][2] in confident) == sure:
+                    j += 1
+                run = [item[2] for item in order[i:j]]
+                done, issued = cache.prefetch_many(run, speculative=not sure, band=band)
+                queue.keys.difference_update(run[:done])
+                self.counters["issued"] += issued
+                self.counters["already_cached"] += done - issued
+                if done == len(run):
+                    i = j
                     continue
-                queue.keys.discard(key)
-                self.counters["already_cached" if cached else "issued"] += 1
+                self.counters["waited_for_a_slot"] += 1
+                if sure:
+                    kept += order[i + done :]
+                    break
+                speculative_blocked = True
+                kept.append(order[i + done])
+                i += done + 1
         queue.order = kept
 
 
@@ -403,40 +426,3 @@ def _union_per_layer(rows: list[set[Key]], layer_ids: Sequence[int]) -> dict[int
         for layer, e in keys:
             out[layer].add(e)
     return {layer: frozenset(es) for layer, es in out.items()}
-
-
-class IssueQueue:
-    """The keys waiting to go on the link, kept in issue order (layer position, then expert) as they arrive, so a
-    pump walks them without sorting the queue: an add merges its new keys in (one C-level sort of an ordered list
-    and the new run, no Python key function), a started layer drops a prefix found by bisection."""
-
-    def __init__(self, position: dict[int, int]) -> None:
-        self.position = position
-        self.keys: set[Key] = set()
-        #: ``(layer position, expert, key)`` for exactly the keys of ``keys``, ascending.
-        self.order: list[tuple[int, int, Key]] = []
-
-    def __bool__(self) -> bool:
-        return bool(self.keys)
-
-    def add(self, keys: Iterable[Key]) -> None:
-        new = [(self.position[k[0]], k[1], k) for k in set(keys) - self.keys]
-        if new:
-            self.keys.update(k for _, _, k in new)
-            self.order += new
-            self.order.sort()
-
-    def retain(self, wanted: set[Key]) -> None:
-        self.keys &= wanted
-        self.order = [item for item in self.order if item[2] in self.keys]
-
-    def drop_through(self, position: int) -> int:
-        """Drop the keys of the layers up to ``position`` (started: fetched on demand if routed); how many."""
-        cut = bisect.bisect_left(self.order, (position + 1,))
-        self.keys.difference_update(k for _, _, k in self.order[:cut])
-        del self.order[:cut]
-        return cut
-
-    def clear(self) -> None:
-        self.keys.clear()
-        self.order.clear()

@@ -5,8 +5,10 @@
 - ``buffers`` / ``slot_views``: the slots in the stored format (``store.spec``), what a transfer writes. When the
   storage IS the compute format (``direct``: fp32/bf16 experts computed at their dtype), the pool views these
   bytes and there is nothing else. Otherwise (fp8, MXFP4) each landing is dequantised ONCE into the pool slot
-  (``lander``: the transfer's step after its copy; on CUDA it runs on the copy stream, so no host sync), and a
-  resident cache (B3) dequantises every expert at load through a one-expert temporary (no buffers kept).
+  (``lander``: the transfer's step after its copy; on CUDA it runs on the copy stream, so no host sync), a batch
+  of landings (a layer's prefetches, ``land_many``) in ONE grouped dequantisation when the store takes a slot
+  batch (``batched_dequantize``: the checkpoint store, MXFP4), and a resident cache (B3) dequantises every
+  expert at load through a one-expert temporary (no buffers kept).
 - ``table``: ``[layer, expert] → slot`` on the device (−1 = absent). The cache records every insert and eviction
   with ``set`` (on the host); the writes since the last read reach the device as ONE ``index_put_`` when the table
   is next read (a MoE layer's compute), so a layer's fetches cost one small host→device copy, not an op each.
@@ -45,7 +47,8 @@ class SlotPool:
         self._table = torch.full(
             (max(store.layer_ids) + 1, store.num_experts), -1, dtype=torch.long, device=device
         )
-        self._writes: dict[tuple[int, int], int] = {}  # (layer, expert) → slot, not yet on the device
+        #: (layer, expert) → slot, not yet on the device (``set`` writes here; a batched issue directly).
+        self.pending: dict[tuple[int, int], int] = {}
         #: ``grouped_mm`` or the named fallback, and why (``offload/grouped.py``): the row's ``engine.expert_compute``.
         self.expert_compute_facts = expert_compute_choice(self.pool)
         self.expert_compute: str = self.expert_compute_facts["path"]
@@ -54,17 +57,17 @@ class SlotPool:
     @property
     def table(self) -> torch.Tensor:
         """The device table, current: pending writes applied first (one host→device copy, one op)."""
-        if self._writes:
+        if self.pending:
             n = self.store.num_experts
-            where = torch.tensor([layer * n + e for layer, e in self._writes], dtype=torch.long)
-            slots = torch.tensor(list(self._writes.values()), dtype=torch.long)
-            self._writes = {}
+            where = torch.tensor([layer * n + e for layer, e in self.pending], dtype=torch.long)
+            slots = torch.tensor(list(self.pending.values()), dtype=torch.long)
+            self.pending.clear()
             self._table.view(-1).index_put_((to_device(where, self.device),), to_device(slots, self.device))
         return self._table
 
     def set(self, key: tuple[int, int], slot: int) -> None:
         """``key`` now lives in ``slot`` (−1: evicted)."""
-        self._writes[key] = slot
+        self.pending[key] = slot
 
     def weights(self, slot: int) -> list[torch.Tensor]:
         """One slot's compute tensors (views of the pool)."""
@@ -75,6 +78,11 @@ class SlotPool:
         if self.direct:
             return None
         return lambda: self._dequantize_into(slot, self.slot_views[slot])
+
+    @property
+    def land_many(self) -> Callable[[list[int]], None] | None:
+        """The step a batch of transfers runs after its copies: dequantise their slots (None if direct)."""
+        return None if self.direct else self._dequantize_slots
 
     def load(self, slot: int, payload: list[torch.Tensor]) -> bool:
         """Place an expert's host ``payload`` in ``slot`` now (the resident load); True if it was dequantised."""
@@ -92,6 +100,18 @@ class SlotPool:
 
     def close(self) -> None:
         self.buffers, self.slot_views, self.pool = [], [], []
+
+    def _dequantize_slots(self, slots: list[int]) -> None:
+        """The landed ``slots``' stored bytes → the pool: one gather, one grouped dequantisation, one scatter per
+        compute tensor, whatever the count (per slot when the store dequantises one expert at a time)."""
+        if len(slots) == 1 or not getattr(self.store, "batched_dequantize", False):
+            for slot in slots:
+                self._dequantize_into(slot, self.slot_views[slot])
+            return
+        where = to_device(torch.tensor(slots, dtype=torch.long), self.device)
+        stored = [b.index_select(0, where) for b in self.buffers]
+        for dst, w in zip(self.pool, self.store.dequantize(stored, self.dtype), strict=True):
+            dst.index_copy_(0, where, w)
 
     def _dequantize_into(self, slot: int, stored: list[torch.Tensor]) -> None:
         for dst, w in zip(self.weights(slot), self.store.dequantize(stored, self.dtype), strict=True):
