@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 from pd_dflash.ablation import ABLATION_AXES, ablation_settings
 from pd_dflash.baselines import BLOCK_INDEPENDENT
-from pd_dflash.spec import Cell, SweepSpec, iter_cells
+from pd_dflash.spec import Cell, SweepSpec, cell_count, iter_cells
 
 BlockedReason = Callable[[Cell], "str | None"]
 
@@ -39,7 +39,7 @@ def plan_summary(
         if on_cell is not None:
             on_cell(c)
     saved = {
-        f"{m.id}|{b}": (len(spec.block_sizes) - 1) * len(spec.concurrency) * spec.repeats
+        f"{m.id}|{b}": (len(spec.block_sizes) - 1) * len(spec.concurrency) * spec.max_repeats
         for m in spec.models
         for b in spec.baselines
         if b in BLOCK_INDEPENDENT and len(spec.block_sizes) > 1
@@ -56,6 +56,17 @@ def plan_summary(
         "report_rows_per_repeat": upstream_rows,
         "fingerprint": spec.fingerprint(),
     }
+    if spec.adaptive:  # every repeat a group may run is expanded; the waves run between the two counts
+        from pd_dflash.report.adaptive import decidable_effects  # pandas only for an adaptive spec
+
+        counts["adaptive_repeats"] = {
+            "min": spec.min_repeats,
+            "max": spec.max_repeats,
+            "until": spec.adaptive.until,
+            "cells_at_min": cell_count(spec, spec.min_repeats),
+            "cells_at_max": cell_count(spec, spec.max_repeats),
+            "decidable_effect_sd": decidable_effects(spec.adaptive),
+        }
     return {"counts": counts, "blocked": blocked}
 
 
@@ -94,13 +105,19 @@ def _list_axes(spec: SweepSpec) -> list[tuple[str, list]]:
     return axes
 
 
+def _repeats_text(spec: SweepSpec) -> str:
+    if spec.adaptive:
+        return f"{spec.min_repeats}-{spec.max_repeats} repeats (adaptive)"
+    return f"{spec.max_repeats} repeats"
+
+
 def render_plan(spec: SweepSpec, planned: dict[str, Any], notes: Iterable[str] = ()) -> str:
     """The text plan: axes, cells per model × baseline, savings, blocked cells, notes, totals."""
     counts = planned["counts"]
     lines = [
         f"sweep {spec.name}: engine {spec.engine}, fingerprint {counts['fingerprint']}",
         f"axes: {len(spec.models)} models x {len(spec.baselines)} baselines x block sizes {spec.block_sizes} "
-        f"x concurrency {spec.concurrency} x {spec.repeats} repeats"
+        f"x concurrency {spec.concurrency} x {_repeats_text(spec)}"
         + "".join(f" x {where} {values}" for where, values in _list_axes(spec)),
         "",
         "cells per model x baseline:",
@@ -121,6 +138,18 @@ def render_plan(spec: SweepSpec, planned: dict[str, Any], notes: Iterable[str] =
             key = f"{b['baseline']}: {b['reason']}"
             reasons[key] = reasons.get(key, 0) + 1
         lines.extend(f"  {n} x {r}" for r, n in sorted(reasons.items()))
+    adaptive = counts.get("adaptive_repeats")
+    if adaptive:
+        lines.append(
+            f"adaptive repeats: min {adaptive['min']}, max {adaptive['max']}, until {adaptive['until']}: "
+            f"{adaptive['cells_at_min']} cells at min, {adaptive['cells_at_max']} at max (the counts here are at "
+            "max; a group stops adding repeats once its verdict gates are decided)"
+        )
+        effects = ", ".join(f"{k}: {h:.3g}" for k, h in adaptive["decidable_effect_sd"].items())
+        lines.append(
+            f"  a look after k repeats decides a gate whose mean sits at least this many repeat standard "
+            f"deviations from its threshold (Bonferroni over the looks): {effects}"
+        )
     lines.extend(f"note: {n}" for n in notes)
     lines.append(
         f"total: {counts['total']} cells ({counts['to_run']} to run, {counts['blocked']} blocked); "

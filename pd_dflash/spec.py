@@ -24,6 +24,7 @@ from pd_dflash.baselines import BLOCK_INDEPENDENT, OFFLOADED, SPECULATIVE, Basel
 from pd_dflash.errors import InputError, format_validation_error
 from pd_dflash.safe_load import decode_utf8, load_yaml
 from pd_dflash.spec_inputs import ChatDate, EnvName, RayQuantity, RayResource, check_no_nul, how_many
+from pd_dflash.stopping import AdaptiveRepeats, Repeats, repeat_bounds
 from pd_dflash.upstream import OFFLOAD_RATIO_LIMIT, REQUIRED_METRICS
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -220,7 +221,7 @@ class SweepSpec(_Input):
     baselines: Annotated[list[Baseline], Field(min_length=1)]
     block_sizes: Annotated[list[Annotated[int, Field(ge=2)]], Field(min_length=1)]
     concurrency: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)]
-    repeats: Annotated[int, Field(ge=1)] = 3
+    repeats: Repeats = 3
     workload: Workload = Field(default_factory=Workload)
     memory: Memory = Field(default_factory=Memory)
     slo: SLO = Field(default_factory=SLO)
@@ -238,20 +239,10 @@ class SweepSpec(_Input):
             raise ValueError("must be letters, digits, '.', '_' or '-' (it names the sweep and its job)")
         return v
 
-    @field_validator("baselines")
+    @field_validator("baselines", "block_sizes", "concurrency")
     @classmethod
-    def _baselines(cls, v: list[str]) -> list[str]:
-        return _unique(v, "baselines")
-
-    @field_validator("block_sizes")
-    @classmethod
-    def _block_sizes(cls, v: list[int]) -> list[int]:
-        return _unique(v, "block_sizes")
-
-    @field_validator("concurrency")
-    @classmethod
-    def _concurrency(cls, v: list[int]) -> list[int]:
-        return _unique(v, "concurrency")
+    def _axis(cls, v: list, info: Any) -> list:  # info: pydantic's ValidationInfo
+        return _unique(v, info.field_name)
 
     @field_validator("models")
     @classmethod
@@ -265,13 +256,20 @@ class SweepSpec(_Input):
     def _bounded(self) -> SweepSpec:
         n = cell_count(self)
         if n > self.max_cells:
+            at_max = f" at its max of {self.max_repeats} repeats" if self.adaptive else ""
             raise ValueError(
-                f"the spec expands to {how_many(n)} cells, more than max_cells = {self.max_cells}; "
+                f"the spec expands to {how_many(n)} cells{at_max}, more than max_cells = {self.max_cells}; "
                 "shrink an axis (repeats, concurrency, block_sizes, baselines, models) or raise max_cells"
             )
         return self
 
     # -- derived -------------------------------------------------------------------------------------------
+    #: The adaptive bounds (None: a fixed count); the repeats every group runs, and per cell at most (the cells
+    #: are expanded to it): N and N, or min and max.
+    adaptive = property(lambda self: self.repeats if isinstance(self.repeats, AdaptiveRepeats) else None)
+    min_repeats = property(lambda self: repeat_bounds(self.repeats)[0])
+    max_repeats = property(lambda self: repeat_bounds(self.repeats)[1])
+
     def model(self, model_id: str) -> ModelSpec:
         for m in self.models:
             if m.id == model_id:
@@ -357,16 +355,17 @@ def _id_suffix(spec: SweepSpec, model: ModelSpec) -> str:
     return "," + _canonical(measured)[1:]
 
 
-def _cells_per_model(spec: SweepSpec) -> int:
+def _cells_per_model(spec: SweepSpec, repeats: int) -> int:
     return sum(
-        (1 if b in BLOCK_INDEPENDENT else len(spec.block_sizes)) * len(spec.concurrency) * spec.repeats
+        (1 if b in BLOCK_INDEPENDENT else len(spec.block_sizes)) * len(spec.concurrency) * repeats
         for b in spec.baselines
     )
 
 
-def cell_count(spec: SweepSpec) -> int:
-    """How many cells :func:`iter_cells` yields, by arithmetic (nothing is expanded)."""
-    return sum(len(ablation_settings(spec, m)) for m in spec.models) * _cells_per_model(spec)
+def cell_count(spec: SweepSpec, repeats: int | None = None) -> int:
+    """How many cells :func:`iter_cells` yields (at ``repeats``, default max), by arithmetic (none expanded)."""
+    per = spec.max_repeats if repeats is None else repeats
+    return sum(len(ablation_settings(spec, m)) for m in spec.models) * _cells_per_model(spec, per)
 
 
 def iter_cells(spec: SweepSpec) -> Iterator[Cell]:
@@ -375,7 +374,7 @@ def iter_cells(spec: SweepSpec) -> Iterator[Cell]:
     B0 does not depend on the block size: it gets one cell per (model, c, repeat), recorded at the smallest
     block size and covering every block size (the report places the row in each group). B3 is speculative with
     every expert resident and is measured per block size, as upstream ran it. A list-valued ablation axis
-    multiplies the cells: each carries its values in ``Cell.ablation``.
+    multiplies the cells: each carries its values in ``Cell.ablation``. Adaptive repeats expand to ``max``.
     """
     smallest, largest = min(spec.block_sizes), max(spec.block_sizes)
     for model in spec.models:
@@ -391,7 +390,7 @@ def iter_cells(spec: SweepSpec) -> Iterator[Cell]:
                 offloaded = baseline in OFFLOADED
                 ratio = spec.memory.device_memory_ratio if offloaded else spec.memory.resident_memory_ratio
                 for conc, repeat, ablation in itertools.product(
-                    spec.concurrency, range(spec.repeats), ablation_settings(spec, model)
+                    spec.concurrency, range(spec.max_repeats), ablation_settings(spec, model)
                 ):
                     fields = {
                         "model": model.id,

@@ -56,12 +56,20 @@ def _t_two_sided_cdf(t: float, df: int) -> float:
 @lru_cache(maxsize=256)
 def t_quantile_975(df: int) -> float:
     """The two-sided 95% critical value of Student's t (e.g. 12.706 for df=1, 1.984 for df=100)."""
+    return t_quantile(df, 0.95)
+
+
+@lru_cache(maxsize=1024)
+def t_quantile(df: int, coverage: float) -> float:
+    """The two-sided critical value of Student's t for an interval of ``coverage`` (0.95: 12.706 at df=1)."""
     if df < 1:
         raise ValueError(f"degrees of freedom must be >= 1, got {df}")
-    lo, hi = 0.0, 1000.0
-    for _ in range(200):
+    if not 0.0 < coverage < 1.0:
+        raise ValueError(f"coverage must be in (0, 1), got {coverage}")
+    lo, hi = 0.0, 1e7
+    for _ in range(400):
         mid = (lo + hi) / 2
-        if _t_two_sided_cdf(mid, df) < 0.95:
+        if _t_two_sided_cdf(mid, df) < coverage:
             lo = mid
         else:
             hi = mid
@@ -78,19 +86,21 @@ def summary_stats(
     lower: float | None = 0.0,
     upper: float | None = None,
     distinct: int | None = None,
+    coverage: float = 0.95,
 ) -> dict[str, Any]:
     """{mean, std, n, ci95_low, ci95_high}: mean ± t(0.975, n−1)·std/√n, clipped to the column's range.
 
     std (sample, ddof=1) and the interval are None for n < 2, and when they exceed the float range (then
     ``no_interval`` says so). ``distinct``: how many different values the repeats hold (1: no spread, so a
-    zero-width interval that is no evidence, ``confidence.py``).
+    zero-width interval that is no evidence, ``confidence.py``). Another ``coverage`` (an adaptive look's,
+    ``stopping.py``) widens the interval; the keys keep their names.
     """
     out: dict[str, Any] = {"mean": mean, "std": None, "n": n, "ci95_low": None, "ci95_high": None}
     if distinct is not None:
         out["distinct"] = distinct
     if n < 2 or std is None or math.isnan(std):
         return out
-    half = t_quantile_975(n - 1) * (std / math.sqrt(n)) if math.isfinite(std) else math.inf
+    half = t_quantile(n - 1, coverage) * (std / math.sqrt(n)) if math.isfinite(std) else math.inf
     low, high = mean - half, mean + half
     if not (math.isfinite(low) and math.isfinite(high)):
         out["no_interval"] = "the spread of the repeats exceeds the float range"
@@ -163,6 +173,8 @@ class Matrix:
     #: Failed rows (ERROR/TIMEOUT) replaced by a later row of the same identity: (old source, new source).
     superseded: list[tuple[str, str]]
     n_input_rows: int
+    #: The coverage of the intervals in ``stats`` (0.95; an adaptive look's is wider, ``stopping.py``).
+    coverage: float = 0.95
 
     def mean(self, key: str, baseline: str, column: str) -> float | None:
         found = self.stats.get((key, baseline), {}).get(column)
@@ -299,8 +311,11 @@ def _bm1_terms(out: dict[str, Any], stats: dict[str, dict]) -> None:
 _COLUMN = {c: i for i, c in enumerate(NUMERIC_COLUMNS)}
 
 
-def build_matrix(rows: Sequence[Row | RowBrief], sources: Sequence[str] | None = None) -> Matrix:
-    """Group, check and aggregate rows (raises InputError on duplicates). Fast enough to run every N rows."""
+def build_matrix(
+    rows: Sequence[Row | RowBrief], sources: Sequence[str] | None = None, *, coverage: float = 0.95
+) -> Matrix:
+    """Group, check and aggregate rows (raises InputError on duplicates). Fast enough to run every N rows.
+    ``coverage`` is that of the intervals (an adaptive look asks for a wider one)."""
     briefs = [r if isinstance(r, RowBrief) else brief_of(r) for r in rows]
     placed, superseded = place_rows(briefs, sources)
     groups: dict[tuple[str, int, int], Group] = {}
@@ -322,16 +337,17 @@ def build_matrix(rows: Sequence[Row | RowBrief], sources: Sequence[str] | None =
             for ps in g.by_baseline.values()
             for p in ps
             if p.measured
-        ]
+        ],
+        coverage,
     )
     matrix_rows = {
         key: {b: _aggregated_head(g, b, ps, stats.get((key, b), {})) for b, ps in g.by_baseline.items()}
         for key, g in ordered.items()
     }
-    return Matrix(ordered, stats, matrix_rows, superseded, len(rows))
+    return Matrix(ordered, stats, matrix_rows, superseded, len(rows), coverage)
 
 
-def _stats(records: list[tuple]) -> dict[tuple[str, str], dict[str, dict[str, Any]]]:
+def _stats(records: list[tuple], coverage: float = 0.95) -> dict[tuple[str, str], dict[str, dict[str, Any]]]:
     """pandas groupby over the measured repeats: mean, std (ddof=1), count, distinct values → summary_stats per
     column. A mean or std that overflows (finite values near the float range) is computed again, scaled."""
     if not records:
@@ -359,6 +375,8 @@ def _stats(records: list[tuple]) -> dict[tuple[str, str], dict[str, dict[str, An
                 else None
             )
             lower = None if col == "hide_inequality.margin_seconds" else 0.0  # a margin may be negative
-            per[col] = summary_stats(float(mean), std, n, lower=lower, upper=upper, distinct=distinct)
+            per[col] = summary_stats(
+                float(mean), std, n, lower=lower, upper=upper, distinct=distinct, coverage=coverage
+            )
         out[(key, baseline)] = per
     return out

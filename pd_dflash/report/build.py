@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from pd_dflash.baselines import ORDER
 from pd_dflash.errors import InputError, format_validation_error
+from pd_dflash.report.adaptive import adaptive_markdown, adaptive_verdict
 from pd_dflash.report.aggregate import Matrix, build_matrix
 from pd_dflash.report.basis import verdict_basis, verdict_line
 from pd_dflash.report.brief import RowBrief, brief_of
@@ -47,6 +48,9 @@ def _evaluate(
     details = evaluate(matrix, gates, Expectations.infer(matrix, spec))
     summary = overall(details)
     confidence = confidence_verdict(matrix, details, gates)
+    adaptive = None
+    if spec is not None and spec.adaptive:  # each group judged at its last look (report/adaptive.py)
+        confidence, adaptive = adaptive_verdict(rows, spec, gates, details)
     basis = verdict_basis(matrix)
     summary["line_on_means"] = summary["line"]
     summary["line"] = verdict_line(summary, confidence, basis)
@@ -59,6 +63,8 @@ def _evaluate(
         "complete": ok,
         "exit_code": 0 if ok else 1,
     }
+    if adaptive is not None:
+        verdict["adaptive"] = adaptive
     files: dict[str, str | bytes] = {
         "result_matrix.csv": matrix_csv(matrix),
         "result_matrix.md": matrix_markdown(
@@ -66,6 +72,8 @@ def _evaluate(
         ),
         "verdict.json": dumps(verdict),
     }
+    if adaptive is not None:
+        files["result_matrix.md"] = adaptive_markdown(str(files["result_matrix.md"]), adaptive, details)
     if plots:
         from pd_dflash.report.plots import render_plots
 

@@ -76,9 +76,12 @@ def _per_repeat(group: Group, baseline: str, column: str) -> dict[int, tuple[flo
     }
 
 
-def paired(group: Group, a: tuple[str, str], b: tuple[str, str], k: float = 1.0) -> Interval | None:
-    """The 95 % interval of the mean of ``a − k·b`` over the repeats both hold (each side ``(baseline,
-    column)``), or None when they cannot be paired: other repeats, a sample seed that differs, < 2 pairs."""
+def paired(
+    group: Group, a: tuple[str, str], b: tuple[str, str], k: float = 1.0, coverage: float = 0.95
+) -> Interval | None:
+    """The 95 % interval (``coverage``: an adaptive look's, ``Matrix.coverage``) of the mean of ``a − k·b`` over
+    the repeats both hold (each side ``(baseline, column)``), or None when they cannot be paired: other repeats,
+    a sample seed that differs, < 2 pairs."""
     xs, ys = _per_repeat(group, *a), _per_repeat(group, *b)
     if set(xs) != set(ys) or len(xs) < 2 or any(xs[r][1] != ys[r][1] for r in xs):
         return None
@@ -88,7 +91,7 @@ def paired(group: Group, a: tuple[str, str], b: tuple[str, str], k: float = 1.0)
     if len(set(diffs)) == 1:
         return Interval(None, None, f"paired difference: {_flat(len(diffs), diffs[0])}")
     mean, std = scaled_moments(diffs)
-    stats = summary_stats(mean, std, len(diffs), lower=None)
+    stats = summary_stats(mean, std, len(diffs), lower=None, coverage=coverage)
     if stats["ci95_low"] is None:
         return Interval(None, None, f"paired difference: {stats.get('no_interval', 'no interval')}")
     return Interval(stats["ci95_low"], stats["ci95_high"], f"paired by repeat, n={len(diffs)}")
@@ -158,7 +161,7 @@ def _bm1(matrix: Matrix, group: Group, mean: dict, gates: Gates, detail: dict) -
     key = group.key
     parts = []
     for b in detail.get("bm1", {}):
-        d = paired(group, (b, "t_verify_seconds"), (b, "t_router_seconds"))
+        d = paired(group, (b, "t_verify_seconds"), (b, "t_router_seconds"), coverage=matrix.coverage)
         if d is not None:
             parts.append(_difference(f"{b} t_verify - t_router", d, strict=True))
             continue
@@ -182,7 +185,7 @@ def _speedup(matrix: Matrix, group: Group, mean: dict, gates: Gates, detail: dic
     k = gates.min_speedup_over_b0
     parts = []
     for b in mean.get("per_baseline", {}):
-        d = paired(group, (b, TOKENS), (BASE, TOKENS), k)
+        d = paired(group, (b, TOKENS), (BASE, TOKENS), k, coverage=matrix.coverage)
         if d is not None:
             parts.append(_difference(f"{b} - {k:g} x {BASE} tokens/s", d, strict=False))
         else:
@@ -217,7 +220,7 @@ def _ordering(matrix: Matrix, group: Group, mean: dict, gates: Gates, detail: di
     parts = []
     for left, right in pairwise(chain):
         loose = ordering_step_loose(left, right)
-        d = paired(group, (right, TOKENS), (left, TOKENS))
+        d = paired(group, (right, TOKENS), (left, TOKENS), coverage=matrix.coverage)
         if d is not None:
             parts.append(_difference(f"{right} - {left} tokens/s", d, strict=not loose))
             continue
@@ -255,11 +258,18 @@ def confidence_verdict(matrix: Matrix, details: dict[str, dict[str, Any]], gates
     """Adds ``confidence`` (gate → PASS/FAIL/INCONCLUSIVE) to every group's detail; returns the overall verdict:
     NO-GO if any gate fails somewhere; GO if every group is complete and valid and every enabled gate passes
     everywhere; INCONCLUSIVE otherwise. ``line`` gives the count of each."""
-    counts = {PASS: 0, FAIL: 0, INCONCLUSIVE: 0}
-    first_fail = None
     for key, detail in details.items():
         group = matrix.groups.get(key) or Group(*_split(key))
         detail["confidence"] = group_confidence(matrix, group, gates, detail)
+    return tally(details)
+
+
+def tally(details: dict[str, dict[str, Any]], on: str = "95% intervals") -> dict[str, Any]:
+    """The overall confidence-aware verdict from every group's ``confidence`` (``on`` names the intervals in the
+    line: an adaptive run's are its looks', report/adaptive.py)."""
+    counts = {PASS: 0, FAIL: 0, INCONCLUSIVE: 0}
+    first_fail = None
+    for key, detail in details.items():
         for name, g in detail["confidence"].items():
             if g["status"] in counts:
                 counts[g["status"]] += 1
@@ -279,7 +289,7 @@ def confidence_verdict(matrix: Matrix, details: dict[str, dict[str, Any]], gates
         "verdict": verdict,
         "counts": counts,
         "first_fail": first_fail,
-        "line": f"{verdict} on 95% intervals ({text})",
+        "line": f"{verdict} on {on} ({text})",
     }
 
 

@@ -104,6 +104,11 @@ class Collector:
         self._ensure_open()
         return self.store.add_event(redact(event, self.env))
 
+    def current_rows(self) -> list[Row]:
+        """The current row of every stored cell (``resume.current_rows``)."""
+        self._ensure_open()
+        return self.store.current()
+
     def update_run(self, patch: dict[str, Any]) -> None:
         self._ensure_open()
         self.store.update_run(patch)

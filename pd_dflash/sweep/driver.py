@@ -20,7 +20,7 @@ from pd_dflash.engine import registry
 from pd_dflash.engine.registry import EngineTraits
 from pd_dflash.rows import ROWS_FILE
 from pd_dflash.schema import FAILED_STATUSES, Row, Status
-from pd_dflash.spec import SweepSpec, expand
+from pd_dflash.spec import Cell, SweepSpec, expand
 from pd_dflash.sweep import preflight
 from pd_dflash.sweep.health import Health
 from pd_dflash.sweep.options import ClusterLost, Outcome, RunOptions, SweepInterrupted
@@ -43,6 +43,7 @@ from pd_dflash.sweep.resume import Mode, StoredCell, cells_to_run
 from pd_dflash.sweep.sink import Sink, cause_line
 from pd_dflash.sweep.stops import StopRequest
 from pd_dflash.sweep.store import utc_now
+from pd_dflash.sweep.waves import Waves
 
 #: The progress line is refreshed at most this often (no terminal redraws faster; the ETA costs estimates).
 SHOW_EVERY_S = 0.2
@@ -73,6 +74,8 @@ class SweepDriver:
         self.sink = Sink(spec, self.estimator, self._event)
         self.health = Health(spec, options, self.boxes, self.pool, self.placement, self.sink, self._event)
         self.todo = 0
+        self.done_before = 0  # cells stored before this run that it does not measure again
+        self.waves = Waves(spec, self.cells) if spec.adaptive else None  # adaptive repeats (None: fixed)
         #: The engine's traits as preflight found them on a box (the driver never imports the engine).
         self.traits: EngineTraits | None = None
         self._shown_at = 0.0
@@ -105,29 +108,19 @@ class SweepDriver:
         )
 
     def _plan(self, stored: dict[str, StoredCell]) -> None:
-        todo = cells_to_run(self.cells, stored, self.opts.mode)
+        mode = self.opts.mode
+        todo = cells_to_run(self.cells, stored, mode)
+        if self.waves is not None:  # the repeats every group needs now (looks replayed from the stored rows)
+            todo = self.waves.start(self.sink.current_rows(self.opts.preflight_timeout_s), stored, mode)
+            self.sink.on_store = self.waves.arrived.append
         retried = sum(1 for c, _ in todo if c.cell_id in stored)
         skipped_failed = sum(
             1 for s in stored.values() if not s.final and self.opts.mode != Mode.RETRY_ERRORS
         )
-        blocked = 0
-        for cell, attempt in todo:
-            reason = registry.blocked_reason_for(self.traits, self.spec.engine, cell)
-            if reason:
-                blocked += 1
-                row = Row.without_metrics(
-                    cell,
-                    Status.REFUSED,
-                    reason,
-                    refusal="documented",  # the engine's declared scope (registry), not counted
-                    attempt=attempt,
-                    sweep=self.spec.name,
-                    finished_at=utc_now(),
-                )
-                self.sink.store(row, None)
-            else:
-                self.placement.add(Task(cell=cell, attempt=attempt))
+        blocked = sum(self._queue(cell, attempt) for cell, attempt in todo)
         self.todo = len(todo)
+        self.done_before = len(stored) - retried if self.waves else len(self.cells) - len(todo)
+        self._next_waves()
         keys = sorted({load_key(self.spec.engine, c, self.traits) for c, _ in todo})
         self._event(
             f"sweep {self.spec.name} (fingerprint {self.spec.fingerprint()}): {len(self.cells)} cells, "
@@ -137,6 +130,35 @@ class SweepDriver:
         if skipped_failed:
             self._event(
                 f"{skipped_failed} stored cells are ERROR/TIMEOUT; rerun with --retry-errors to retry them"
+            )
+
+    def _queue(self, cell: Cell, attempt: int) -> bool:
+        """Queue a cell for a runner, or store its REFUSED row when the engine will not run it (True)."""
+        reason = registry.blocked_reason_for(self.traits, self.spec.engine, cell)
+        if not reason:
+            self.placement.add(Task(cell=cell, attempt=attempt))
+            return False
+        row = Row.without_metrics(
+            cell,
+            Status.REFUSED,
+            reason,
+            refusal="documented",  # the engine's declared scope (registry), not counted
+            attempt=attempt,
+            sweep=self.spec.name,
+            finished_at=utc_now(),
+        )
+        self.sink.store(row, None)
+        return True
+
+    def _next_waves(self) -> None:
+        """Adaptive repeats: queue the repeats that the rows stored since ask for."""
+        if self.waves is not None:
+            for cell, attempt in self.waves.due():
+                self.todo += 1
+                self._queue(cell, attempt)
+            self.progress.total = self.done_before + self.todo  # the cells asked for so far
+            self.placement.awaiting = self.waves.awaiting(
+                lambda c: load_key(self.spec.engine, c, self.traits)
             )
 
     # -- which runner does what -----------------------------------------------------------------------------
@@ -234,6 +256,7 @@ class SweepDriver:
             if lost:
                 raise ClusterLost(lost)
             self.health.refresh()
+            self._next_waves()
             self._fill()
             if not self.pool.in_flight():
                 if not self.placement.has_pending() or not any(s.usable for s in self.pool.slots):
@@ -246,6 +269,7 @@ class SweepDriver:
             noticed = time.perf_counter()
             for ev in self.pool.events(ready):
                 self._handle(ev)
+            self._next_waves()
             if ready:
                 self._fill()  # a runner may be waiting for its next cell: dispatch before the bookkeeping
                 self.sink.figures.react_s.append(time.perf_counter() - noticed)
@@ -267,7 +291,7 @@ class SweepDriver:
         self._shown_at = now
         running = Counter(s.box.label for s in self.pool.slots if s.calls)
         self.progress.update(
-            done=len(self.cells) - self.todo + self.sink.finished,
+            done=self.done_before + self.sink.finished,
             failed=self.sink.failed,
             running=dict(running),
             eta_s=self._eta(),
@@ -403,6 +427,8 @@ class SweepDriver:
             f"{format_duration(wall)}; {self.pool.loads} model loads; rows in {out}/{ROWS_FILE}"
             + (f"; matrix in {out}/result_matrix.md" if summary["outputs"] else "")
         )
+        if self.waves is not None:
+            self._event(self.waves.describe())
         if summary["outputs"]:
             self._event(summary["outputs"]["overall"]["line"])
         if failed_now:
@@ -418,5 +444,8 @@ class SweepDriver:
                 f"{refused} cells REFUSED for what the spec or its inputs ask (each row's reason says what; "
                 "documented refusals are not counted): fix it and rerun with --restart"
             )
-        complete = counts["stored"] == counts["total"]
+        stored_all = counts["stored"] == counts["total"]
+        complete = (
+            not (self.waves.open_groups() or unrun) if self.waves else stored_all
+        )  # adaptive: all stopped
         return 0 if complete and not failed_now and not refused and not summary["matrix_errors"] else 1

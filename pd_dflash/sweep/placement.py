@@ -156,6 +156,9 @@ class Placement:
     #: key -> estimate group -> tasks in arrival order; empty groups and keys are removed.
     pending: dict[LoadKey, dict[GroupKey, deque[Task]]] = field(default_factory=dict)
     _counts: dict[LoadKey, int] = field(default_factory=lambda: defaultdict(int))
+    #: Keys with nothing pending that an adaptive group may still ask a repeat of (``waves.Waves.awaiting``): a
+    #: runner holding one keeps it rather than load another model and come back.
+    awaiting: set[LoadKey] = field(default_factory=set)
 
     def add(self, task: Task) -> None:
         key = load_key(self.engine, task.cell, self.traits)
@@ -211,6 +214,8 @@ class Placement:
         """
         if current is not None and self._counts.get(current):
             return (self.rebalance_target(holders, current) if rebalance else None) or current
+        if current is not None and current in self.awaiting:
+            return current
         keys = [k for k in self.pending if self._counts[k]]
         if not keys:
             return None

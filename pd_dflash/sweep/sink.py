@@ -64,6 +64,8 @@ class Sink:
         self.figures = Figures()
         #: Why the collector cannot store any more (the sweep must stop), or None.
         self.storage_error: str | None = None
+        #: Called with every row sent to the collector (the driver's adaptive waves read them).
+        self.on_store: Callable[[Row], None] | None = None
 
     # -- opening --------------------------------------------------------------------------------------------
     def open(
@@ -150,6 +152,12 @@ class Sink:
         self.finished += 1
         if row.status in FAILED_STATUSES:
             self.failed += 1
+        if self.on_store is not None:
+            self.on_store(row)
+
+    def current_rows(self, timeout_s: float) -> list[Row]:
+        """The rows OUT holds now, one per cell (an adaptive resume replays its looks from them)."""
+        return ray.get(self.collector.current_rows.remote(), timeout=timeout_s)
 
     def fail(self, task: Task, status: Status, reason: str, detail: str, slot: Slot | None) -> None:
         """Store a row without metrics for a cell that could not be measured (why: ``reason``)."""

@@ -87,6 +87,27 @@ def result(baseline: str, repeat: int, **over) -> EngineResult:
     return EngineResult(**data)
 
 
+#: A per-repeat wobble (as a fraction) for ``jittered``: no interval of a few repeats has zero width.
+JITTER = (-1.0, 1.0, 0.0, 0.5, -0.5, 0.8, -0.8, 0.2)
+
+
+def jittered(baseline: str, repeat: int, **over) -> EngineResult:
+    """``result`` with every number a gate reads moved by 1-2 % per repeat (``JITTER``): each gate still passes
+    clearly, on intervals of real (non-zero) width. ``over`` replaces fields, as in ``result``."""
+    j = JITTER[repeat % len(JITTER)]
+    speculative = baseline in ("B1", "B2", "OURS")
+    data = {"output_tokens_per_second": TOKENS.get(baseline, 33.0) * (1 + 0.01 * j)}
+    if speculative:
+        data.update(t_router_seconds=0.125 * (1 + 0.02 * j), t_verify_seconds=1.0 * (1 - 0.01 * j))
+    if baseline == "OURS":
+        ratio = 0.25 + 0.01 * j
+        data["route_ahead"] = {**result("OURS", repeat).route_ahead, "waste_ratio": ratio}
+        data["hide_inequality"] = evaluate_hide_inequality(
+            **{**HIDE, "overlap_seconds": 0.5 * (1 + 0.01 * j)}
+        )
+    return result(baseline, repeat, **{**data, **over})
+
+
 def rows_of(s, drop=(), status=None, **by_baseline) -> list[Row]:
     """A measured row per cell; ``status`` maps (baseline, repeat) to (status, reason) for rows without
     metrics; ``drop`` lists (baseline, repeat) left out."""
@@ -226,14 +247,14 @@ def synth_result(cell, rng: random.Random, **over) -> EngineResult:
 
 
 def synth_rows(baselines=None, repeats=None, seed: int = 1408, tweak=None) -> list[Row]:
-    """A row per cell of jobs/phase_a.yaml (optionally only these baselines / repeats), seeded; ``tweak(cell)``
-    gives the fields that cell's result replaces."""
+    """A row per cell of jobs/phase_a.yaml (optionally only these baselines / repeats; by default its first
+    ``min`` = 3 repeats, of an adaptive 3-6), seeded; ``tweak(cell)`` gives the fields that cell's result replaces."""
     rng = random.Random(seed)
     rows = []
-    for cell in expand(load_spec(PHASE_A)):
-        if (baselines and cell.baseline not in baselines) or (
-            repeats is not None and cell.repeat not in repeats
-        ):
+    spec = load_spec(PHASE_A)
+    repeats = range(spec.min_repeats) if repeats is None else repeats
+    for cell in expand(spec):
+        if (baselines and cell.baseline not in baselines) or cell.repeat not in repeats:
             continue
         over = tweak(cell) if tweak else {}
         rows.append(Row.from_result(cell, synth_result(cell, rng, **over)))

@@ -109,7 +109,8 @@ def test_bm1_not_evaluated_without_terms():
     assert g["status"] == "not evaluated" and "OURS" in g["summary"]
     assert verdict["overall"]["line_on_means"] == "go/no-go: INCONCLUSIVE (not evaluated: bm1 24/24 groups)"
     assert verdict["overall"]["line"].startswith(
-        "go/no-go: INCONCLUSIVE on means (not evaluated: bm1 24/24 groups); INCONCLUSIVE on 95% intervals ("
+        "go/no-go: INCONCLUSIVE on means (not evaluated: bm1 24/24 groups); INCONCLUSIVE on 98.75% intervals, "
+        "adaptive, "  # jobs/phase_a.yaml's repeats are adaptive, 3-6: the looks' intervals (metrics.md §7f)
     )
 
 

@@ -22,13 +22,14 @@ REPO = Path(__file__).resolve().parents[2]
 def test_phase_a_plan_counts():
     spec = load_spec(REPO / "jobs" / "phase_a.yaml")
     planned = plan(spec)
-    # 2 models x (B1, B2, B3, OURS x 2 block sizes + B0) x 6 concurrency x 3 repeats: B3 is speculative with
-    # every expert resident, measured per block size (as upstream ran it)
-    assert len(planned["cells"]) == 2 * (4 * 2 + 1) * 6 * 3 == 324
-    assert planned["counts"]["saved_by_block_dedup"] == 2 * 1 * 1 * 6 * 3
+    # 2 models x (B1, B2, B3, OURS x 2 block sizes + B0) x 6 concurrency x 3-6 adaptive repeats (expanded to 6):
+    # B3 is speculative with every expert resident, measured per block size (as upstream ran it)
+    assert len(planned["cells"]) == 2 * (4 * 2 + 1) * 6 * 6 == 648
+    assert planned["counts"]["adaptive_repeats"]["cells_at_min"] == 2 * (4 * 2 + 1) * 6 * 3 == 324
+    assert planned["counts"]["saved_by_block_dedup"] == 2 * 1 * 1 * 6 * 6
     assert planned["counts"]["report_rows_per_repeat"] == 2 * 5 * 2 * 6
     per = planned["counts"]["per_model_baseline"]["openai/gpt-oss-20b"]
-    assert per == {"B0": 18, "B1": 36, "B2": 36, "B3": 36, "OURS": 36}
+    assert per == {"B0": 36, "B1": 72, "B2": 72, "B3": 72, "OURS": 72}
 
 
 def test_plan_cli_json_has_cells_and_counts():
@@ -40,7 +41,7 @@ def test_plan_cli_json_has_cells_and_counts():
     )
     data = json.loads(out.stdout)
     assert set(data) >= {"cells", "counts"}
-    assert data["counts"]["total"] == 324
+    assert data["counts"]["total"] == 648 and data["counts"]["adaptive_repeats"]["cells_at_min"] == 324
 
 
 def test_expansion_is_deterministic_and_ids_are_unique():

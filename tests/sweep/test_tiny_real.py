@@ -59,7 +59,14 @@ def test_shipped_real_target_specs_plan_without_weights(tmp_path, name):
     proc = run_cli("plan", str(REPO / "jobs" / name), "--json", env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     planned = json.loads(proc.stdout)
-    # 2 models x (B1, B2, B3, OURS x 2 block sizes + B0) x 6 c x 3 repeats: B3 per block size (issue 11)
-    assert planned["counts"]["total"] == 324 and planned["counts"]["blocked"] == 0
+    # 2 models x (B1, B2, B3, OURS x 2 block sizes + B0) x 6 c x 3 repeats: B3 per block size (issue 11); Phase A's
+    # repeats are adaptive, 3-6, and expand to 6 (docs/metrics.md §7f)
+    per_3 = 2 * (4 * 2 + 1) * 6 * 3
+    assert (
+        planned["counts"]["total"]
+        == (2 * per_3 if name == "phase_a_reference.yaml" else per_3)
+        == (648 if name == "phase_a_reference.yaml" else 324)
+    )
+    assert planned["counts"]["blocked"] == 0
     models = {c["model"] for c in planned["cells"]}
     assert len(models) == 2
