@@ -35,11 +35,18 @@ dequantisation function (``checkpoints.mxfp4.dequantize``) inside the timed loop
 target is 0).
 
 BM2 (upstream's ``bench_prefetch_issuance.py``, for this engine): the time to issue a prefetch of every expert
-of every MoE layer (a saturated round: B·k ≥ E) through the engine's ``ExpertCache.prefetch`` on a fresh cache
-that can hold them all, with the engine's link (emulated on CPU, ``CudaLink`` on CUDA); nearest-rank
+of every MoE layer (a saturated round: B·k ≥ E) on a fresh cache that can hold them all, with the engine's link
+(emulated on CPU, ``CudaLink`` on CUDA), in two modes interleaved: ``python-per-expert`` (``ExpertCache.prefetch``
+per expert) and ``batched`` (one ``ExpertCache.prefetch_many``: one link batch per layer); nearest-rank
 p50/p90/p99 in µs against the window t_draft + t_router of the OURS c = 1 row; ``candidate_required`` = the
-issuance median > window (upstream's decision; its ``ship_batched`` needs a batched issue path this engine does
-not have, so it is absent).
+per-expert median > window and ``ship_batched`` = candidate_required and the batched median ≤ window
+(upstream's rules).
+
+BM3 (upstream's ``bench_prefetch_priority.py``): OURS with route-ahead's predictions in the link's band 0
+(on-demand), 1 (route-ahead) or 2 (background, where route-ahead's end-of-verify history always goes), on a busy
+link (CPU: emulated at ``--bm3-link-gbps``), a fresh cell per run (identical seeded requests, fresh cache);
+median exposed fetch and tokens/s per arm and ``ship_priority_band`` (route-ahead exposed < background exposed,
+route-ahead tok/s ≥ background tok/s, on-demand exposed ≤ both).
 
     .venv/bin/python benchmarks/engine_overhead.py --json engine_overhead.json        # both geometries, CPU
     .venv/bin/python benchmarks/engine_overhead.py --device cuda --layers 12 --json out.json
@@ -78,7 +85,7 @@ os.environ.setdefault("PD_DFLASH_CACHE", str(REPO / ".cache" / "pd-dflash"))
 
 BENCHMARK = "engine_overhead"
 #: Bumped when the JSON's shape changes (tests/engine/reference/test_engine_overhead.py checks it).
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -426,12 +433,14 @@ _DEVICE = None  # set by main: the device the run measures
 
 
 # -- the reference engine ----------------------------------------------------------------------------------------
-def engine_spec(name: str, target: Path, drafter: Path, args, baselines: list[str], concurrency: int):
+def engine_spec(
+    name: str, target: Path, drafter: Path, args, baselines: list[str], concurrency: int, link_gbps=None
+):
     from pd_dflash.spec import parse_spec
 
     options: dict[str, Any] = {}
     if args.device == "cpu":
-        options["emulated_h2d_gbps"] = args.link_gbps
+        options["emulated_h2d_gbps"] = link_gbps or args.link_gbps
     hardware: dict[str, Any] = {"device": args.device, "cpus_per_runner": args.threads}
     if args.device == "cuda":
         hardware.update(accelerator_type=None, compute_capability=None)
@@ -668,6 +677,101 @@ def _link(device, args):
     return HostLink(args.link_gbps, 0.0)
 
 
+# -- BM3 -----------------------------------------------------------------------------------------------------------
+#: Upstream's ``bench_prefetch_priority`` arms: the link band route-ahead's router-pass predictions go in
+#: (``offload/link.py``). Background traffic is the same in every arm: route-ahead's history issued at the end of a
+#: verify (band 2), which a route-ahead band of 1 overtakes, band 2 queues behind, band 0 bypasses.
+BM3_ARMS = {"on-demand": 0, "route-ahead": 1, "background": 2}
+
+
+@contextlib.contextmanager
+def route_ahead_band(engine, band: int):
+    """Every cell the engine runs meanwhile gives route-ahead's predictions ``band`` from its warm-up on
+    (``ReferenceEngine._warm_up`` wrapped for this instance, the benchmark's seam like ``timed_loop``)."""
+    original = getattr(engine, "_warm_up", None)
+    if original is None:
+        raise SystemExit(
+            "benchmarks/engine_overhead.py: ReferenceEngine has no _warm_up(cell, setup) any more"
+        )
+
+    def warm_up(cell, setup):
+        prefetcher = setup.runtime.prefetcher
+        if prefetcher is None or not hasattr(prefetcher, "band"):
+            raise SystemExit("BM3: the cell has no route-ahead prefetcher with a link band")
+        prefetcher.band = band
+        return original(cell, setup)
+
+    engine._warm_up = warm_up
+    try:
+        yield
+    finally:
+        del engine._warm_up
+
+
+def bm3(geo: Geometry, target: Path, drafter: Path, device, args) -> dict[str, Any]:
+    """OURS at c = ``--bm3-concurrency`` on a busy link, once per arm and repetition (arms interleaved so each
+    sees the same machine load); each run is a fresh cell: identical seeded requests, a fresh cache, the spec's
+    warm-up. Median exposed fetch seconds and tokens/s per arm, and upstream's decision."""
+    from pd_dflash.engine.interface import EngineContext
+    from pd_dflash.engine.reference.engine import ReferenceEngine
+    from pd_dflash.spec import expand
+
+    gbps = args.bm3_link_gbps if args.device == "cpu" else None
+    spec = engine_spec(geo.name, target, drafter, args, ["OURS"], args.bm3_concurrency, link_gbps=gbps)
+    engine = ReferenceEngine(
+        EngineContext.for_model(spec, device="cuda:0" if args.device == "cuda" else "cpu")
+    )
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in BM3_ARMS}
+    try:
+        (cell,) = list(expand(spec))
+        for _ in range(args.bm3_repeats):
+            for arm, band in BM3_ARMS.items():
+                with route_ahead_band(engine, band):
+                    result = engine.run_cell(cell)
+                if result.status.value != "OK":
+                    return {"benchmark": "BM3", "status": result.status.value, "reason": result.reason}
+                terms = result.cost_terms
+                runs[arm].append(
+                    {
+                        "exposed_fetch_seconds": terms.exposed_fetch_seconds if terms else None,
+                        "tokens_per_second": result.output_tokens_per_second,
+                        "output_digest": result.engine.get("output_digest"),
+                    }
+                )
+    finally:
+        engine.close()
+    out: dict[str, Any] = {
+        "benchmark": "BM3",
+        "status": "OK",
+        "concurrency": args.bm3_concurrency,
+        "requests": args.bm3_concurrency,
+        "repeats": args.bm3_repeats,
+        "emulated_link_gbps": gbps,
+        "arms": {},
+    }
+    for arm, band in BM3_ARMS.items():
+        exposed = [r["exposed_fetch_seconds"] for r in runs[arm]]
+        tps = [r["tokens_per_second"] for r in runs[arm]]
+        out["arms"][arm] = {
+            "route_ahead_band": band,
+            "exposed_fetch_seconds_median": statistics.median(exposed) if None not in exposed else None,
+            "tokens_per_second_median": statistics.median(tps) if None not in tps else None,
+            "runs": runs[arm],
+        }
+    digests = {r["output_digest"] for arm in runs.values() for r in arm}
+    out["outputs_identical"] = len(digests) == 1
+    arms = out["arms"]
+    od, ra, bg = (arms[a]["exposed_fetch_seconds_median"] for a in BM3_ARMS)
+    ra_tps, bg_tps = (
+        arms["route-ahead"]["tokens_per_second_median"],
+        arms["background"]["tokens_per_second_median"],
+    )
+    if None not in (od, ra, bg, ra_tps, bg_tps):
+        # Upstream's rule: route-ahead's band beats background's, and on-demand is no worse than either.
+        out["ship_priority_band"] = ra < bg and ra_tps >= bg_tps and od <= min(ra, bg)
+    return out
+
+
 # -- one geometry ----------------------------------------------------------------------------------------------------
 def run_geometry(geo: Geometry, args, report: Report) -> None:
     import torch
@@ -714,6 +818,9 @@ def run_geometry(geo: Geometry, args, report: Report) -> None:
                 report.write()
         finally:
             engine.close()
+    if args.bm3:
+        entry["bm3"] = bm3(geo, target, drafter, device, args)
+        report.write()
     report.finish_geometry(geo)
 
 
@@ -936,10 +1043,48 @@ def render(doc: dict[str, Any]) -> str:
                 f"({b['issue_p50_us_per_expert']:.1f} µs per expert); window t_draft + t_router = "
                 f"{_fmt(b.get('window_us'))} µs; candidate_required = {_fmt(b.get('candidate_required'))}",
             ]
+            for mode, m in b.get("modes", {}).items():
+                out.append(
+                    f"- {mode}: p50 {m['issue_p50_us']:,.0f} µs, p90 {m['issue_p90_us']:,.0f} µs, "
+                    f"p99 {m['issue_p99_us']:,.0f} µs ({m['issue_p50_us_per_expert']:.2f} µs per expert)"
+                )
+            if "batched_p50_over_per_expert_p50" in b:
+                out.append(
+                    f"- batched p50 / per-expert p50 = {b['batched_p50_over_per_expert_p50']:.3f} (target ≤ 0.2); "
+                    f"ship_batched = {_fmt(b.get('ship_batched'))}"
+                )
+        if "bm3" in g:
+            out += ["", *_bm3_lines(g["bm3"])]
         out.append("")
     if doc["warnings"]:
         out += ["Warnings:", *[f"- {w}" for w in doc["warnings"]], ""]
     return "\n".join(out)
+
+
+def _bm3_lines(b: dict[str, Any]) -> list[str]:
+    if b.get("status") != "OK":
+        return [f"BM3: {b.get('status')}: {b.get('reason')}"]
+    link = (
+        f"link emulated at {b['emulated_link_gbps']:g} GB/s" if b.get("emulated_link_gbps") else "CUDA link"
+    )
+    lines = [
+        f"BM3 (priority band; OURS, c = {b['concurrency']}, {b['repeats']} repetitions per arm, {link}):",
+        "",
+        "| route-ahead band (arm) | median exposed fetch (ms) | median tokens/s |",
+        "|---|---|---|",
+    ]
+    for arm, a in b["arms"].items():
+        exposed = a["exposed_fetch_seconds_median"]
+        lines.append(
+            f"| {a['route_ahead_band']} ({arm}) | {_fmt(exposed * 1e3 if exposed is not None else None, 1)} | "
+            f"{_fmt(a['tokens_per_second_median'], 1)} |"
+        )
+    lines += [
+        "",
+        f"ship_priority_band = {_fmt(b.get('ship_priority_band'))}; outputs identical across arms: "
+        f"{_fmt(b.get('outputs_identical'))}",
+    ]
+    return lines
 
 
 def _table_row(r: dict[str, Any]) -> str:
@@ -991,6 +1136,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=_positive, default=1)
     p.add_argument("--bm2-iterations", type=_positive, default=20)
     p.add_argument("--bm2-warmup", type=int, default=2)
+    p.add_argument("--no-bm3", dest="bm3", action="store_false", help="skip BM3 (the priority band)")
+    p.add_argument("--bm3-repeats", type=_positive, default=3, help="BM3 runs per arm (median)")
+    p.add_argument("--bm3-concurrency", type=_positive, default=4, help="BM3: requests served at once")
+    p.add_argument(
+        "--bm3-link-gbps",
+        type=float,
+        default=0.02,
+        help="BM3 on the CPU: the emulated link (busy, so bands matter)",
+    )
     p.add_argument("--no-profile", dest="profile", action="store_false", help="CUDA: skip the profiled run")
     p.add_argument(
         "--cache-dir", default=None, help="where the checkpoints are cached (default: the engine cache)"
@@ -1000,8 +1154,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.layers = args.layers or 2
         args.prompt_tokens, args.new_tokens, args.block_size = 8, 4, 4
         args.concurrency, args.bm2_iterations, args.bm2_warmup = [2], 3, 1
+        args.bm3_repeats, args.bm3_concurrency = 2, 2
     if args.new_tokens < args.block_size:
         p.error(f"--new-tokens ({args.new_tokens}) must be at least --block-size ({args.block_size})")
+    if not args.bm3_link_gbps > 0:
+        p.error(f"--bm3-link-gbps must be > 0, got {args.bm3_link_gbps}")
     if not 0.0 < args.cache_fraction < 1.0:
         p.error(f"--cache-fraction must be in (0, 1), got {args.cache_fraction}")
     args.profile = args.profile and args.device == "cuda"

@@ -183,8 +183,10 @@ GATED: tuple[str, ...] = tuple(c.name for c in CONFIGURATIONS if c.gated)
 
 
 def _with_role(role: Role) -> str:
-    (name,) = (c.name for c in CONFIGURATIONS if c.role == role)
-    return name
+    names = [c.name for c in CONFIGURATIONS if c.role == role]
+    if len(names) != 1:
+        raise ValueError(f"the table needs exactly one configuration with role {role!r}, has {names}")
+    return names[0]
 
 
 #: The roles the report's gates read (``role`` above): speedups are over BASE; CANDIDATE is the design under test;

@@ -68,7 +68,8 @@ class EngineTraits:
     #: A torch-free check of the whole spec (files the engine will read: checkpoints, drafters, prompts),
     #: ``check_spec(spec) -> notes``; raises InputError. Runs after ``check_model``, at plan time too.
     check_spec: Callable[[SweepSpec], list[str]] | None = None
-    #: The ``ENGINE_FIELDS`` this engine reads (None: unknown, a custom engine's); one it does not read is refused.
+    #: The ``ENGINE_FIELDS`` this engine reads (None: not declared, nothing checked); one it does not read is
+    #: refused: at plan for a built-in engine, at the sweep's preflight for a custom one (its traits come from a box).
     reads: frozenset[str] | None = None
     #: The ``workload.prompts`` kinds it reads (``PROMPT_KINDS``).
     prompt_kinds: frozenset[str] = PROMPT_KINDS

@@ -99,6 +99,7 @@ class SweepDriver:
             self.opts.out_dir, self.spec, self.opts.mode, timeout_s=self.opts.preflight_timeout_s
         )
         self.traits = preflight.check_engine(self.spec, self.boxes, timeout_s=self.opts.preflight_timeout_s)
+        registry.check_reads(self.spec, self.traits)  # a custom engine's declared reads, known only now
         self.placement.traits = self.traits
         fits = ", ".join(f"{b.label}: {b.capacity}" for b in self.boxes if b.capacity)
         self._event(

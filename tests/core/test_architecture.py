@@ -278,7 +278,10 @@ REFERENCE = "pd_dflash.engine.reference"
 #: engine/reference's rooms, lowest first (docs/architecture.md, "The reference engine's rooms"): a room imports at
 #: run time only from itself and the rooms before it. A folder is a room; top-level modules are placed by name.
 REFERENCE_ROOMS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("leaves", frozenset({"", "host_sync", "options", "requirements", "seams", "prompts", "artifacts"})),
+    (
+        "leaves",
+        frozenset({"", "host_sync", "options", "requirements", "seams", "prompts", "positions", "artifacts"}),
+    ),
     ("families", frozenset({"families"})),
     ("offload", frozenset({"offload"})),
     ("checkpoints", frozenset({"checkpoints"})),

@@ -103,3 +103,28 @@ def test_a_run_with_refusals_of_the_users_making_exits_non_zero_and_says_so(tmp_
     said = capsys.readouterr().out
     assert "writing the result matrices failed" not in said
     assert "3 cells REFUSED for what the spec or its inputs ask" in said
+
+
+class ReadsNoCacheEngine(FixedDurationEngine):
+    """A custom engine that declares it reads none of the engine-specific fields (``registry.ENGINE_FIELDS``)."""
+
+    traits = EngineTraits(
+        entry_point="tests.sweep.test_refusal_kinds:ReadsNoCacheEngine",
+        options_model="tests.sweep.engines:FixedDurationOptions",
+        reads=frozenset(),
+    )
+
+
+def test_a_custom_engines_declared_reads_are_checked_at_preflight(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    if ray.is_initialized():
+        ray.shutdown()
+    spec = make_spec(
+        engine="tests.sweep.test_refusal_kinds:ReadsNoCacheEngine",
+        memory={"expert_cache_fraction": [0.25, 0.5]},
+    )
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match=r"does not read memory\.expert_cache_fraction") as refused:
+        run_sweep(spec, RunOptions(out_dir=str(out), progress=False, poll_s=0.2, plots=False))
+    assert refused.value.exit_code == 2
+    assert not (out / "rows.jsonl").exists()

@@ -70,7 +70,7 @@ def cell_trace(m: CellMeasurement) -> CellTrace:
         prefetch=PrefetchTrace(
             coverage=coverage,
             wasted_bytes=wasted,
-            in_time=rt.in_time if rt.prefetcher is not None else None,
+            in_time=(rt.in_time[0], rt.in_time[1]) if rt.prefetcher is not None else None,
             route_ahead=rt.stats.as_dict() if issued_prefetches(rt) else None,
         ),
         kv_peak_bytes=max(rec.kv_bytes for rec in m.rounds),
@@ -96,7 +96,7 @@ def round_trace(m: CellMeasurement) -> Rounds:
 
 
 def absences(
-    m: CellMeasurement, committed: list[int], coverage_warning: str | None, wasted_warning: str | None
+    m: CellMeasurement, committed: list[int] | None, coverage_warning: str | None, wasted_warning: str | None
 ) -> dict[str, str]:
     """Why each metric this cell did not measure is absent."""
     absent = {}

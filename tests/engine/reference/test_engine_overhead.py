@@ -29,7 +29,7 @@ def quick(tmp_path_factory):
         [sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=420,  # both geometries, BM2 and BM3 included
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -38,7 +38,7 @@ def quick(tmp_path_factory):
 
 def test_report_header(quick):
     doc, _, _ = quick
-    assert doc["benchmark"] == "engine_overhead" and doc["schema_version"] == 1
+    assert doc["benchmark"] == "engine_overhead" and doc["schema_version"] == 2
     assert doc["status"] == "complete" and doc["device"] == "cpu"
     assert doc["settings"]["quick"] is True and doc["settings"]["concurrency"] == [1, 2]
     assert set(doc["geometries"]) == {"qwen3-coder-30b-a3b", "gpt-oss-20b"}
@@ -94,6 +94,41 @@ def test_ratios_and_bm2(quick, name):
     assert bm2["benchmark"] == "BM2" and bm2["experts_issued"] == 2 * g["experts"] and bm2["iterations"] == 3
     assert bm2["issue_p50_us"] <= bm2["issue_p90_us"] <= bm2["issue_p99_us"] and bm2["window_us"] > 0
     assert bm2["candidate_required"] == (bm2["issue_p50_us"] > bm2["window_us"])
+    modes = bm2["modes"]
+    assert set(modes) == {"python-per-expert", "batched"} and all(m["dropped"] == 0 for m in modes.values())
+    for m in modes.values():
+        assert 0 < m["issue_p50_us"] <= m["issue_p90_us"] <= m["issue_p99_us"]
+    batched = modes["batched"]["issue_p50_us"]
+    assert bm2["batched_p50_over_per_expert_p50"] == pytest.approx(batched / bm2["issue_p50_us"])
+    assert bm2["ship_batched"] == (bm2["candidate_required"] and batched <= bm2["window_us"])
+
+
+@pytest.mark.parametrize("name", ["qwen3-coder-30b-a3b", "gpt-oss-20b"])
+def test_bm3_runs_its_three_arms_on_identical_requests(quick, name):
+    bm3 = quick[0]["geometries"][name]["bm3"]
+    assert bm3["benchmark"] == "BM3" and bm3["status"] == "OK" and bm3["repeats"] == 2
+    arms = bm3["arms"]
+    assert {a: arms[a]["route_ahead_band"] for a in arms} == {
+        "on-demand": 0,
+        "route-ahead": 1,
+        "background": 2,
+    }
+    for a in arms.values():
+        assert (
+            len(a["runs"]) == 2
+            and a["exposed_fetch_seconds_median"] >= 0
+            and a["tokens_per_second_median"] > 0
+        )
+    assert bm3["outputs_identical"]  # the band moves bytes, never tokens
+    ex = {a: arms[a]["exposed_fetch_seconds_median"] for a in arms}
+    ship = ex["route-ahead"] < ex["background"] and ex["on-demand"] <= min(
+        ex["route-ahead"], ex["background"]
+    )
+    ship = (
+        ship
+        and arms["route-ahead"]["tokens_per_second_median"] >= arms["background"]["tokens_per_second_median"]
+    )
+    assert bm3["ship_priority_band"] == ship
 
 
 def test_render_prints_the_tables(quick):
@@ -103,7 +138,10 @@ def test_render_prints_the_tables(quick):
     )
     assert rendered.returncode == 0
     assert (
-        "### gpt-oss-20b" in rendered.stdout and "| B3 | 1 |" in rendered.stdout and "BM2" in rendered.stdout
+        "### gpt-oss-20b" in rendered.stdout
+        and "| B3 | 1 |" in rendered.stdout
+        and "BM2" in rendered.stdout
+        and "BM3" in rendered.stdout
     )
     assert rendered.stdout.strip() in stdout
 

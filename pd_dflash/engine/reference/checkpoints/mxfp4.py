@@ -18,9 +18,13 @@ _LUTS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _lut(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Byte → its two values ``[256, 2]`` (low nibble, high nibble): one lookup decodes a byte, the same values
+    as transformers' nibble-by-nibble lookup."""
     key = (dtype, device)
     if key not in _LUTS:
-        _LUTS[key] = torch.tensor(FP4_VALUES, dtype=dtype, device=device)
+        values = torch.tensor(FP4_VALUES, dtype=dtype)
+        codes = torch.arange(256)
+        _LUTS[key] = torch.stack([values[codes & 0x0F], values[codes >> 4]], dim=1).to(device)
     return _LUTS[key]
 
 
@@ -30,11 +34,10 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     *prefix, rows, groups, nbytes = blocks.shape
     if tuple(scales.shape) != (*prefix, rows, groups):
         raise ValueError(f"MXFP4 scales {tuple(scales.shape)} do not match blocks {tuple(blocks.shape)}")
-    lut = _lut(dtype, blocks.device)
     flat = blocks.reshape(-1, nbytes)
-    out = torch.empty(flat.shape[0], nbytes * 2, dtype=dtype, device=blocks.device)
-    out[:, 0::2] = lut[(flat & 0x0F).to(torch.int)]
-    out[:, 1::2] = lut[(flat >> 4).to(torch.int)]
+    out = _lut(dtype, blocks.device)[flat.to(torch.int)].view(
+        flat.shape[0], nbytes * 2
+    )  # [.., byte, (lo, hi)]
     torch.ldexp(out, scales.reshape(-1, 1).to(torch.int32) - 127, out=out)
     return out.view(*prefix, rows, groups * nbytes * 2).transpose(-1, -2).contiguous()
 

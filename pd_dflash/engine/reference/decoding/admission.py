@@ -74,7 +74,7 @@ class TokenBudget:
 
 
 def token_deficit_admission(tokens: TokenBudget) -> DeficitAdmission:
-    """B2's admission: the token deficit alone."""
+    """Admission ``token_deficit``: the token deficit alone."""
     return DeficitAdmission(TokenDeficitScheduler(tokens.budget, tokens.cap))
 
 
@@ -88,8 +88,8 @@ def two_dim_deficit_admission(
     is_resident: Callable[[Key], bool],
     link_bytes_per_second: float | None,
 ) -> DeficitAdmission:
-    """OURS's admission: the 2-D deficit, whose byte dimension prices each request's expected fetch by its
-    prefetcher's ``keys``; ``Refused`` when the bytes cap is below the largest single demand of the cell or the
+    """Admission ``two_dim_deficit``: the 2-D deficit, whose byte dimension prices each request's expected fetch
+    by its prefetcher's ``keys``; ``Refused`` when the bytes cap is below the largest single demand of the cell or the
     configuration (``name``) has no prefetcher to price bytes with.
 
     The bytes budget is a RATE, ``link_bytes_per_second`` (the link's bytes per second of wall time between

@@ -53,6 +53,8 @@ class Request:
     @property
     def timing(self) -> RequestTiming:
         """When it was admitted, got its first token and finished, and its tokens (``request_metrics``)."""
+        if self.admitted_at is None:
+            raise RuntimeError(f"request {self.rid}: timed before it entered the loop")
         return RequestTiming(self.admitted_at, self.first_token_at, self.finished_at, len(self.output))
 
     @property

@@ -39,13 +39,14 @@ def load_published_drafter(
 
         directory = tiny_drafter_for(model.config.to_dict(), cache_root(cache_dir))
     else:
-        directory, tried = resolve_drafter(draft)
-        if directory is None:
+        resolved, tried = resolve_drafter(draft)
+        if resolved is None:
             raise Refused(
                 Status.REFUSED,
                 f"models[].draft: DFlash drafter {draft!r} not found on this box (looked in {', '.join(tried)}); "
                 "download it into HF_HOME or give a local directory",
             )
+        directory = resolved
     try:
         drafter, facts = load_dflash_drafter(directory, model, target_where=target_where)
     except InputError as exc:

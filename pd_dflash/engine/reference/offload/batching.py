@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
-from pd_dflash.engine.reference.offload.transfer import ROUTE_AHEAD, Transfer
+from pd_dflash.engine.reference.offload.transfer import ON_DEMAND, ROUTE_AHEAD, Transfer
 
 Key = tuple[int, int]
 
@@ -29,6 +29,30 @@ class Batching:
         self._layer: int | None = None
         self._batch = None
         self._new: list = []  # entries of ``prefetch_many`` still to reserve and offer
+        #: Inside ``demand_batched``: a layer's misses, collected to go on the demand stream as one batch.
+        self.demand = None
+
+    @contextlib.contextmanager
+    def demand_batched(self):
+        """A MoE layer acquires its experts: its misses go on the demand stream as ONE batch at exit (one copy
+        dispatch, one landing call: an MXFP4 layer's misses dequantise together), before compute waits for them."""
+        link = self.cache.link
+        if link is None or self.demand is not None:
+            yield
+            return
+        self.flush()
+        self.demand = link.batch(ON_DEMAND)
+        try:
+            yield
+        finally:
+            batch, self.demand = self.demand, None
+            link.submit_batch(batch, self.cache.slots.land_many, self.cache.slots.copy_many)
+
+    def add_demand(self, key: Key, slot: int) -> Transfer:
+        cache = self.cache
+        t = self.demand.add(cache.slots.slot_views[slot], None, cache.store.expert_nbytes, slot, key)
+        t.demand = True
+        return t
 
     @contextlib.contextmanager
     def batched(self, band: int = ROUTE_AHEAD):
@@ -48,9 +72,7 @@ class Batching:
             self.flush()
             self._layer, self._batch = key[0], self.cache.link.batch(self.band)
         cache = self.cache
-        return self._batch.add(
-            cache.slots.slot_views[slot], cache.store.payload(*key), cache.store.expert_nbytes, slot
-        )
+        return self._batch.add(cache.slots.slot_views[slot], None, cache.store.expert_nbytes, slot, key)
 
     def flush(self) -> None:
         """The open batch goes on the link, its new entries reserved and offered first."""
@@ -63,7 +85,7 @@ class Batching:
             cache.plan.predict([e.key for e in new])
             uses = cache.frequency.get
             cache.evictor.add_new([(e.key, (uses(e.key, 0), e.last_tick, e.seq)) for e in new])
-        cache.link.submit_batch(batch, cache.slots.land_many)
+        cache.link.submit_batch(batch, cache.slots.land_many, cache.slots.copy_many)
 
     def prefetch_many(self, keys: Sequence[Key], speculative: bool, band: int) -> tuple[int, int]:
         """``ExpertCache.prefetch`` of each key in order, one link batch per layer, stopping at the first key
@@ -72,7 +94,7 @@ class Batching:
         if cache.link is None:
             return len(keys), 0
         entries, free, slots, store = cache.entries, cache.free, cache.slots, cache.store
-        views, payload, nbytes, writes = slots.slot_views, store.payload, store.expert_nbytes, slots.pending
+        views, nbytes, writes = slots.slot_views, store.expert_nbytes, slots.pending
         rnd, entry_type, inflight, new = cache.round, self._entry, cache.inflight, self._new
         handled = issued = 0
         with self.batched(band):
@@ -89,7 +111,7 @@ class Batching:
                     self.flush()
                     self._layer, self._batch = key[0], cache.link.batch(self.band)
                 entry = entry_type(
-                    key, slot, self._batch.add(views[slot], payload(*key), nbytes, slot), rnd, True
+                    key, slot, self._batch.add(views[slot], None, nbytes, slot, key), rnd, True
                 )
                 writes[key] = slot
                 cache._tick += 1

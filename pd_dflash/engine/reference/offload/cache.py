@@ -319,7 +319,10 @@ class ExpertCache:
 
     def _insert(self, key: Key, slot: int, demand: bool) -> _Entry:
         nbytes = self.store.expert_nbytes
-        if demand or self.batching.band is None:
+        if demand and self.batching.demand is not None:
+            transfer = self.batching.add_demand(key, slot)
+            self.counters.dequantized_landings += not self.slots.direct
+        elif demand or self.batching.band is None:
             self.batching.flush()
             land = self.slots.lander(slot)
             self.counters.dequantized_landings += land is not None

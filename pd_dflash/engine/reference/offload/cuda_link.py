@@ -21,14 +21,16 @@ from collections import deque
 import torch
 
 from pd_dflash.engine.nvtx_ranges import nvtx_range
-from pd_dflash.engine.reference.offload.link import (
+from pd_dflash.engine.reference.offload.link import PREFETCH_WINDOW
+from pd_dflash.engine.reference.offload.transfer import (
     BACKGROUND,
     ON_DEMAND,
-    PREFETCH_WINDOW,
     ROUTE_AHEAD,
     Batch,
     Transfer,
     check_band,
+    copy_members,
+    copy_one,
     detach,
 )
 
@@ -78,8 +80,8 @@ class CudaLink:
     def batch(self, band: int = ROUTE_AHEAD) -> Batch:
         return Batch(self._seq, self._clock, band)
 
-    def submit_batch(self, batch: Batch, land_many=None) -> Transfer | None:
-        return self._put(batch.transfer(land_many)) if batch.members else None
+    def submit_batch(self, batch: Batch, land_many=None, copy_many=None) -> Transfer | None:
+        return self._put(batch.transfer(land_many, copy_many)) if batch.members else None
 
     def _put(self, t: Transfer) -> Transfer:
         if t.band == ON_DEMAND:
@@ -191,20 +193,15 @@ class CudaLink:
                 self._gated = self._last_demand
             t.start_event.record(stream)
             if members is not None:  # a batch: one copy dispatch, one landing call
-                torch._foreach_copy_(
-                    [d for m in members for d in m.dst],
-                    [x for m in members for x in m.src],
-                    non_blocking=True,
-                )
+                copy_members(t, non_blocking=True)
                 if t.land_many is not None:
                     t.land_many([m.slot for m in members])
             else:
-                for d, x in zip(t.dst, t.src, strict=True):
-                    d.copy_(x, non_blocking=True)
+                copy_one(t, non_blocking=True)
                 if t.land is not None:
                     t.land()  # dequantise into the slot pool on the copy stream, after the copy
             t.end_event.record(stream)
-        t.dst = t.src = t.land = t.land_many = None
+        t.dst = t.src = t.land = t.land_many = t.copy_many = None
         t.issued = True
         for m in members or ():
             m.dst = m.src = None

@@ -55,6 +55,8 @@ from pd_dflash.engine.reference.offload.transfer import (
     Batch,
     Transfer,
     check_band,
+    copy_members,
+    copy_one,
     detach,
     mark_issued,
     mark_landed,
@@ -95,10 +97,11 @@ class Link(Protocol):
         """An empty batch of prefetches in ``band`` (``Batch.add`` each, then ``submit_batch``)."""
         ...
 
-    def submit_batch(self, batch: Batch, land_many=None) -> Transfer | None:
-        """Put ``batch`` on the link as one item (the module doc's batches), landing its members' slots with ONE
-        ``land_many(slots)`` call after their copies; in band 0 it goes on the demand stream at once, else into the
-        host queue. Returns the item (None for an empty batch)."""
+    def submit_batch(self, batch: Batch, land_many=None, copy_many=None) -> Transfer | None:
+        """Put ``batch`` on the link as one item (the module doc's batches): its copies in one call
+        (``copy_many(members, non_blocking)``, else one ``_foreach_copy_``), then its members' slots landed with
+        ONE ``land_many(slots)`` call; in band 0 it goes on the demand stream at once, else into the host queue.
+        Returns the item (None for an empty batch)."""
         ...
 
     def promote(self, t: Transfer) -> None:
@@ -156,20 +159,16 @@ class Link(Protocol):
 def _copy(t: Transfer) -> None:
     with nvtx_range("expert_h2d"):
         if t.members is not None:
-            if t.members:
-                torch._foreach_copy_(
-                    [d for m in t.members for d in m.dst], [s for m in t.members for s in m.src]
-                )
+            copy_members(t)
             if t.land_many is not None and t.members:
                 t.land_many([m.slot for m in t.members])
             for m in t.members:
                 m.dst = m.src = None
         else:
-            for d, s in zip(t.dst, t.src, strict=True):
-                d.copy_(s)
+            copy_one(t)
             if t.land is not None:
                 t.land()
-    t.dst = t.src = t.land = t.land_many = None
+    t.dst = t.src = t.land = t.land_many = t.copy_many = None
 
 
 class HostLink:
@@ -235,10 +234,10 @@ class HostLink:
     def batch(self, band: int = ROUTE_AHEAD) -> Batch:
         return Batch(self._seq, self._clock, band)
 
-    def submit_batch(self, batch: Batch, land_many=None) -> Transfer | None:
+    def submit_batch(self, batch: Batch, land_many=None, copy_many=None) -> Transfer | None:
         if not batch.members:
             return None
-        b = batch.transfer(land_many)
+        b = batch.transfer(land_many, copy_many)
         return self._put(b, b.submitted)
 
     def _put(self, t: Transfer, now: float) -> Transfer:

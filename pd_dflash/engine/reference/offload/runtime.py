@@ -228,13 +228,14 @@ class OffloadRuntime:
         todo, chunk = deque(needed), []
 
         def fill() -> None:
-            while todo:
-                entry = self.cache.acquire((layer, todo[0]))
-                if entry is None:
-                    return
-                if observe and todo[0] in predicted and entry.ready_at_access:
-                    self._round_in_time[0] += 1
-                chunk.append((todo.popleft(), entry))
+            with self.cache.batching.demand_batched():  # the misses: one link batch, one landing call
+                while todo:
+                    entry = self.cache.acquire((layer, todo[0]))
+                    if entry is None:
+                        return
+                    if observe and todo[0] in predicted and entry.ready_at_access:
+                        self._round_in_time[0] += 1
+                    chunk.append((todo.popleft(), entry))
 
         fill()
         if not chunk:

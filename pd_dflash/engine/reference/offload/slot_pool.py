@@ -84,6 +84,28 @@ class SlotPool:
         """The step a batch of transfers runs after its copies: dequantise their slots (None if direct)."""
         return None if self.direct else self._dequantize_slots
 
+    def copy_many(self, members, non_blocking: bool = False) -> None:
+        """A batch's copies (``offload/link.py``): each run of consecutive experts of one layer into consecutive
+        slots as ONE slice copy per stored tensor (a saturated layer: one copy), the rest in one
+        ``_foreach_copy_``; a member's source is read from the store by its key when not given."""
+        store, buffers, n = self.store, self.buffers, len(members)
+        dst, src, i = [], [], 0
+        while i < n:
+            (layer, e0), s0, j = members[i].key, members[i].slot, i + 1
+            while j < n and members[j].key == (layer, e0 + j - i) and members[j].slot == s0 + j - i:
+                j += 1
+            if j - i == 1:
+                m = members[i]
+                dst += m.dst
+                src += m.src if m.src is not None else store.payload(*m.key)
+            else:
+                stored = [*store.parts[layer], *(s for s in store.scales[layer] if s is not None)]
+                for buffer, part in zip(buffers, stored, strict=True):
+                    dst.append(buffer[s0 : s0 + j - i])
+                    src.append(part[e0 : e0 + j - i].view(j - i, *buffer.shape[1:]))
+            i = j
+        torch._foreach_copy_(dst, src, non_blocking=non_blocking)
+
     def load(self, slot: int, payload: list[torch.Tensor]) -> bool:
         """Place an expert's host ``payload`` in ``slot`` now (the resident load); True if it was dequantised."""
         if self.direct:

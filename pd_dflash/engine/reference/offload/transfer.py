@@ -24,12 +24,14 @@ class Transfer:
         "band",
         "batch",
         "complete",
+        "copy_many",
         "demand",
         "dst",
         "end",
         "end_event",
         "gate",
         "issued",
+        "key",
         "land",
         "land_many",
         "members",
@@ -70,9 +72,11 @@ class Transfer:
         self.band = ON_DEMAND if demand else ROUTE_AHEAD
         #: A member: the batch it goes on the link with (None once it left it, or never in one).
         self.batch: Transfer | None = None
-        #: A batch: its transfers, and the landing of their slots (``land_many(slots)``), or None.
+        #: A batch: its transfers, the landing of their slots (``land_many(slots)``) and their copy
+        #: (``copy_many(members, non_blocking)``: consecutive experts into consecutive slots as one copy), or None.
         self.members: list[Transfer] | None = None
-        self.land_many = None
+        self.land_many = self.copy_many = None
+        self.key = None  # a member: the cache's (layer, expert), for ``copy_many``
 
 
 class Batch:
@@ -85,17 +89,18 @@ class Batch:
         self.opened = clock()
 
     def add(
-        self, dst: list[torch.Tensor], src: list[torch.Tensor], nbytes: int, slot: int | None
+        self, dst: list[torch.Tensor], src: list[torch.Tensor], nbytes: int, slot: int | None, key=None
     ) -> Transfer:
         t = Transfer(nbytes, False, dst, src, next(self._seq), slot, self.opened)
+        t.key = key
         self.members.append(t)
         return t
 
-    def transfer(self, land_many) -> Transfer:
-        """The item the link moves: its members' bytes, their landing; the members point at it."""
+    def transfer(self, land_many, copy_many=None) -> Transfer:
+        """The item the link moves: its members' bytes, their copy and landing; the members point at it."""
         nbytes = sum(m.nbytes for m in self.members)
         b = Transfer(nbytes, self.band == ON_DEMAND, None, None, 0, None, self._clock())
-        b.members, b.land_many, b.band = self.members, land_many, self.band
+        b.members, b.land_many, b.copy_many, b.band = self.members, land_many, copy_many, self.band
         for m in self.members:
             m.batch, m.band = b, self.band
         return b
@@ -110,7 +115,17 @@ def detach(t: Transfer) -> Transfer | None:
     b.work -= t.work
     if b.land_many is not None:
         t.land = partial(b.land_many, [t.slot])
+    t.copy_many = b.copy_many  # its source may be named by its key only (``copy_one``)
     return None if b.members else b
+
+
+def copy_one(t: Transfer, non_blocking: bool = False) -> None:
+    """A lone transfer's copies (one left its batch: ``copy_many`` of itself when its source is by key)."""
+    if t.src is None:
+        t.copy_many([t], non_blocking)
+        return
+    for d, s in zip(t.dst, t.src, strict=True):
+        d.copy_(s, non_blocking=non_blocking)
 
 
 def started(t: Transfer, now: float) -> None:
@@ -129,3 +144,14 @@ def mark_landed(t: Transfer, now: float) -> None:
     t.end = now
     for m in t.members or ():
         m.end = now
+
+
+def copy_members(t: Transfer, non_blocking: bool = False) -> None:
+    """A batch's copies: ``copy_many`` where the cache gave one, else ONE ``_foreach_copy_`` of every tensor."""
+    if not t.members:
+        return
+    if t.copy_many is not None:
+        t.copy_many(t.members, non_blocking)
+    else:
+        dst = [d for m in t.members for d in m.dst]
+        torch._foreach_copy_(dst, [s for m in t.members for s in m.src], non_blocking=non_blocking)
