@@ -157,9 +157,7 @@ class SweepDriver:
                 self.todo += 1
                 self._queue(cell, attempt)
             self.progress.total = self.done_before + self.todo  # the cells asked for so far
-            self.placement.awaiting = self.waves.awaiting(
-                lambda c: load_key(self.spec.engine, c, self.traits)
-            )
+            self.placement.awaiting = self.waves.awaiting(self.spec.engine, self.traits)
 
     # -- which runner does what -----------------------------------------------------------------------------
     def _fill(self) -> None:

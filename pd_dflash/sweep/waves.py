@@ -14,13 +14,14 @@ landed early changes nothing) and reach the same decisions: no cell is measured 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
 
+from pd_dflash.engine.registry import EngineTraits
 from pd_dflash.report.adaptive import Design, GroupRun, replay
 from pd_dflash.schema import FINAL_STATUSES, Row
 from pd_dflash.spec import Cell, SweepSpec
 from pd_dflash.stopping import STOP_REASONS
+from pd_dflash.sweep.placement import LoadKey, load_key
 from pd_dflash.sweep.resume import Mode, StoredCell, cells_to_run
 
 
@@ -88,13 +89,13 @@ class Waves:
     def open_groups(self) -> list[tuple]:
         return [gid for gid, run in self.runs.items() if run.stop is None]
 
-    def awaiting(self, key_of: Callable[[Cell], Any]) -> set:
+    def awaiting(self, engine: str, traits: EngineTraits | None) -> set[LoadKey]:
         """The load keys an open group may still ask a repeat of (a runner holding one keeps it)."""
         keys = set()
         for gid in self.open_groups():
             run = self.runs[gid]
             if run.repeats < self.design.bounds.max:
-                keys.update(key_of(c) for c in self.design.members[gid][run.repeats])
+                keys.update(load_key(engine, c, traits) for c in self.design.members[gid][run.repeats])
         return keys
 
     def describe(self) -> str:

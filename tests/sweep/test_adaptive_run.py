@@ -88,7 +88,8 @@ def test_sigterm_in_a_wave_then_resume_measures_no_cell_twice_and_reaches_the_sa
     tmp_path, ray_tmp
 ):
     record = tmp_path / "ran.txt"
-    spec_path = write_spec(tmp_path / "spec.yaml", adaptive_data(record, seconds=0.4))
+    # Cells of 1.5 s: a wave outlasts the stop (the driver looks at a signal once per pass of its loop).
+    spec_path = write_spec(tmp_path / "spec.yaml", adaptive_data(record, seconds=1.5))
     out = tmp_path / "out"
     driver = start_run(spec_path, out, ray_tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -8,7 +8,7 @@ from pd_dflash.errors import InputError
 from pd_dflash.schema import Row, Status
 from pd_dflash.spec import cell_count, expand, parse_spec
 from pd_dflash.stopping import CELL_FAILURES, DECIDED
-from pd_dflash.sweep.placement import Estimator, Placement, Task, load_key
+from pd_dflash.sweep.placement import Estimator, Placement, Task
 from pd_dflash.sweep.resume import Mode, check_resumable, stored_cells
 from pd_dflash.sweep.store import SweepStore
 from pd_dflash.sweep.waves import Waves
@@ -115,7 +115,7 @@ def test_a_runner_keeps_a_model_an_open_group_may_still_ask_a_repeat_of():
     held = next(k for k in sched.pending if k[0] == "m1")
     while sched.pending_count(held):  # m1's first repeats all taken, none landed yet
         sched.take(held)
-    sched.awaiting = waves.awaiting(lambda c: load_key(s.engine, c))
+    sched.awaiting = waves.awaiting(s.engine, None)
     assert held in sched.awaiting and sched.choose_key({}, held) == held  # its groups may still ask more
     sched.awaiting = set()
     assert sched.choose_key({}, held)[0] == "m2"  # nothing more can come: it moves on
