@@ -361,12 +361,9 @@ class SweepDriver:
         )
 
     def _finish(self) -> tuple[dict[str, Any], SweepInterrupted | None]:
-        """Collect the rows in flight, write the final matrices, then decide and record the outcome.
-
-        A signal at any point before the outcome is recorded (while collecting or while the matrices are
-        written) makes it "stopped": the matrices the collector is writing are completed (all or none, see
-        staging.py), never cut off. One that comes after the record changes nothing. Returns the collector's
-        summary and the stop the outcome records."""
+        """Collect the rows in flight, write the final matrices, then decide and record the outcome; returns the
+        collector's summary and the stop recorded. A signal before the record (collecting, the matrices) makes
+        it "stopped"; the matrices being written are completed (staging.py). One after the record changes nothing."""
         in_loop = self.stop.requested  # that stop was announced where the loop ended
         self.sink.drain(10.0 if self.stop.requested else 60.0)
         self.sink.final_matrices(self.opts.plots and not self.stop.requested)
