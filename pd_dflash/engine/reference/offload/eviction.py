@@ -241,7 +241,7 @@ class Evictor:
     def rerank(self, keys: Iterable[Key], *, rising: bool = False) -> None:
         """The plan's knowledge of ``keys`` changed: those held are re-ranked before the next victim is chosen
         (``rising``: their rank did not fall, so their heap items still rank them no higher: just noted)."""
-        if rising:  # O(len(keys)): a view ∩ set would copy every held key per call
+        if rising:  # one membership test per named key
             live = self._live
             self._rising.update(k for k in keys if k in live)
         else:
