@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +50,8 @@ TARGETS = {"qwen3-coder-30b-a3b": ("qwen3-coder", 48), "gpt-oss-20b": ("gpt-oss"
 BASELINES, CONCURRENCY, BLOCK_SIZE, CACHE_FRACTION = ("B0", "B3", "OURS"), (1, 4), 16, 0.25
 #: The one cell per target that is counted and profiled.
 COUNTED = ("OURS", 4)
+#: The order cells run in: where the budget ends early, the offloaded speculative cell has been measured.
+ORDER = (("B0", 1), ("OURS", 4), ("B3", 4), ("B0", 4), ("OURS", 1), ("B3", 1))
 RANDOM_WEIGHTS = (
     "random weights: acceptance (tau) and route-ahead coverage are meaningless here (recorded as observed); "
     "the sizes, bytes moved, times and op counts are the real shapes'"
@@ -232,13 +235,16 @@ def measure_target(report: Report, name: str, args, device) -> None:
     cap = int(args.max_expert_gib * 2**30)
     layers = args.layers or choose_layers(per_layer, published, cap, host_available())
     entry.update(layers=layers, depth_factor=published / layers, expert_bytes_per_layer=per_layer)
+    entry["expert_nbytes_published_layout"] = per_layer // _experts(slice_key)
     print(f"real_size {name}: {layers} of {published} layers (x{published / layers:.2f})", flush=True)
     with tempfile.TemporaryDirectory(
         prefix="pd-dflash-real-size-", dir=scratch_root(layers * per_layer) if device.type == "cuda" else None
     ) as tmp:
+        entry["scratch"] = tmp  # recorded first: a parent that kills this child removes it
+        report.write()
         start = time.perf_counter()
         target, drafter, nbytes = write_target(slice_key, Path(tmp), layers)
-        entry.update(scratch=tmp, checkpoint_bytes=nbytes, write_seconds=time.perf_counter() - start)
+        entry.update(checkpoint_bytes=nbytes, write_seconds=time.perf_counter() - start)
         report.write()
         spec = spec_for(name, target, drafter, args.device, args.link_gbps)
         start = time.perf_counter()
@@ -263,6 +269,7 @@ def measure_target(report: Report, name: str, args, device) -> None:
         report.write()
         estimate = 0.0
         cells = {(c.baseline, c.concurrency): c for c in expand(spec)}
+        cells = {key: cells[key] for key in ORDER if key in cells}
         for (baseline, c), cell in cells.items():
             if report.left() < estimate + RESERVE_S:
                 entry["cells"].append({"baseline": baseline, "concurrency": c, "not_run": "budget spent"})
@@ -294,6 +301,13 @@ def measure_target(report: Report, name: str, args, device) -> None:
         del engine
     entry["grouped_gemm_vs_gathered_bmm"] = gemm_compare(slice_key, device)
     report.write()
+
+
+def _experts(slice_key: str) -> int:
+    from load import slice_config
+
+    config = slice_config(slice_key, 1)
+    return int(config.get("num_experts") or config["num_local_experts"])
 
 
 def layer_expert_bytes(slice_key: str) -> int:
@@ -357,6 +371,55 @@ def gemm_compare(slice_key: str, device) -> dict[str, Any]:
     return out
 
 
+def run_target(name: str, share: float, argv: list[str]) -> dict[str, Any]:
+    """One target in a child interpreter, killed at its share of the budget (a cell's time cannot be known before
+    it runs: the first speculative cell also loads the drafter); what the child wrote until then is kept, and
+    every cell it did not finish is said not run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "target.json"
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            *_without(argv, "--json", "--budget-s", "--targets"),
+        ]
+        cmd += ["--json", str(path), "--budget-s", f"{share - 2 * RESERVE_S:.0f}", "--one-target", name]
+        stopped, error = None, None
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=share)
+            if proc.returncode != 0:
+                error = f"exit {proc.returncode}: {proc.stderr[-1500:]}"
+        except subprocess.TimeoutExpired:
+            stopped = f"the target's share of the budget ({share:.0f} s) ended while it ran"
+        entry = json.loads(path.read_text())["targets"].get(name, {}) if path.is_file() else {}
+    if error:
+        entry.setdefault("error", error)
+    if stopped:
+        entry["stopped"] = stopped
+        if entry.get("scratch"):
+            shutil.rmtree(entry["scratch"], ignore_errors=True)  # the killed child could not clean up
+    done = {(c["baseline"], c["concurrency"]) for c in entry.setdefault("cells", [])}
+    for b in BASELINES:
+        for c in CONCURRENCY:
+            if (b, c) not in done:
+                entry["cells"].append({"baseline": b, "concurrency": c, "not_run": "budget spent"})
+    return entry
+
+
+def _without(argv: list[str], *options: str) -> list[str]:
+    """``argv`` less the named options and their values (``--targets`` takes several)."""
+    out, dropping = [], None
+    for a in argv:
+        if a in options:
+            dropping = a
+        elif dropping and not a.startswith("--"):
+            if dropping != "--targets":
+                dropping = None
+        else:
+            dropping = None
+            out.append(a)
+    return out
+
+
 def _target_ok(entry: dict[str, Any]) -> bool:
     """Measured without an error, and every cell that ran is OK (cells the budget left out are not failures)."""
     ran = [c for c in entry.get("cells", []) if "not_run" not in c]
@@ -377,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         help="expert bytes built per target (CUDA 12, CPU: 2 layers)",
     )
     parser.add_argument("--link-gbps", type=float, default=55.0, help="CPU: the emulated link (PCIe 5 x16)")
+    parser.add_argument("--one-target", choices=tuple(TARGETS), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be >= 1")
@@ -388,22 +452,22 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     report = Report(args.json, args.device, args.budget_s)
+    if args.one_target:  # the child: one target, in this interpreter, until its deadline
+        try:
+            measure_target(report, args.one_target, args, device)
+        except Exception as exc:
+            report.data["targets"].setdefault(args.one_target, {})["error"] = f"{type(exc).__name__}: {exc}"
+        report.write()
+        return 0
     report.write()
     end = report.deadline
     for i, name in enumerate(args.targets):
-        if end - time.perf_counter() < RESERVE_S:
+        share = (end - time.perf_counter()) / (len(args.targets) - i)
+        if share < 4 * RESERVE_S:
             report.data["targets"][name] = {"not_run": "budget spent"}
-            continue
-        # Each target gets an equal share of what is left: the first cannot starve the second.
-        report.deadline = time.perf_counter() + (end - time.perf_counter()) / (len(args.targets) - i)
-        try:
-            measure_target(report, name, args, device)
-        except Exception as exc:  # recorded; the next target still runs
-            report.data["targets"].setdefault(name, {})["error"] = f"{type(exc).__name__}: {exc}"
+        else:  # each target gets an equal share of what is left, enforced: the first cannot starve the second
+            report.data["targets"][name] = run_target(name, share, argv or sys.argv[1:])
         report.write()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    report.deadline = end
     report.data["ok"] = all(_target_ok(t) for t in report.data["targets"].values())
     report.data["status"] = "complete"
     report.write()

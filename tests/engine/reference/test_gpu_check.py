@@ -123,14 +123,16 @@ def check_real_size(result: dict) -> None:
     assert "meaningless" in result["random_weights"]
     targets = result["targets"]
     assert set(targets) == {"qwen3-coder-30b-a3b", "gpt-oss-20b"}
-    assert targets["qwen3-coder-30b-a3b"]["engine"]["expert_nbytes"] == QWEN3_CODER_EXPERT_BYTES == 9_437_184
+    qwen = targets["qwen3-coder-30b-a3b"]
+    assert qwen["expert_nbytes_published_layout"] == QWEN3_CODER_EXPERT_BYTES == 9_437_184
+    assert qwen.get("engine", {}).get("expert_nbytes", QWEN3_CODER_EXPERT_BYTES) == QWEN3_CODER_EXPERT_BYTES
     for name, target in targets.items():
         assert target["layers"] == 2 and target["depth_factor"] == target["published_layers"] / 2, name
         cells = {(c["baseline"], c["concurrency"]): c for c in target["cells"]}
         assert set(cells) == {(b, c) for b in ("B0", "B3", "OURS") for c in (1, 4)}, name
         # The step's budget decides how many cells run on a loaded machine: a cell is OK or said not run.
-        ran = {key: cell for key, cell in cells.items() if cell.get("not_run") != "budget spent"}
-        assert ("B0", 1) in ran, name  # the first cell always starts
+        ran = {key: cell for key, cell in cells.items() if "not_run" not in cell}
+        assert ran and all(c["not_run"] == "budget spent" for k, c in cells.items() if k not in ran), name
         for key, cell in ran.items():
             assert cell["status"] == "OK", (name, key, cell.get("reason"))
             terms = cell["hide_terms"]
@@ -138,8 +140,9 @@ def check_real_size(result: dict) -> None:
             assert terms["t_verify_s"] > 0 and cell["ms_per_token"] > 0 and cell["expert_compute"]["path"]
             if key[0] != "B3":  # offloaded at 25 %: misses are fetched over the (emulated) link
                 assert terms["t_fetch_s"] is not None and cell["h2d"]["bytes"] > 0, (name, key)
-        gemm = target["grouped_gemm_vs_gathered_bmm"]
-        assert gemm["grouped_mm_ms"] > 0 and gemm["gathered_bmm_ms"] > 0, name
+        if "stopped" not in target:  # the target ran to its end within its share
+            gemm = target["grouped_gemm_vs_gathered_bmm"]
+            assert gemm["grouped_mm_ms"] > 0 and gemm["gathered_bmm_ms"] > 0, name
 
 
 @pytest.mark.parametrize(
