@@ -138,7 +138,7 @@ def step_slice(device: str) -> dict[str, Any]:
     from pd_dflash.engine.probe import measure_h2d_bytes_per_second
     from pd_dflash.engine.reference.checkpoints.loader import load_checkpoint
     from pd_dflash.engine.reference.offload.cache import ExpertCache
-    from pd_dflash.engine.reference.offload.link import CudaLink
+    from pd_dflash.engine.reference.offload.cuda_link import CudaLink
 
     dev = torch.device("cuda:0")
     probe = measure_h2d_bytes_per_second(dev)
