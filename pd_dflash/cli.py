@@ -36,18 +36,27 @@ def _plan(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from pd_dflash.engine.registry import load_checked_spec
     from pd_dflash.report import effective_gates, open_inputs, write_outputs
+    from pd_dflash.report.design import design_beside
 
     spec = load_checked_spec(args.spec) if args.spec else None
+    design = None if spec is not None else design_beside(args.inputs)
+    if design is not None and design.spec is not None:  # an adaptive sweep's rows: judged by its looks
+        spec = design.spec
+        print(f"adaptive repeats design read from {design.why}", file=sys.stderr)
     gates = effective_gates(spec, args.allow_blocked or (), args.allow_unmeasured or ())
     with open_inputs(args.inputs) as (rows, sources):
         try:
-            verdict = write_outputs(rows, args.out, gates, plots=bool(args.plots), spec=spec, sources=sources)
+            verdict = write_outputs(
+                rows, args.out, gates, plots=bool(args.plots), spec=spec, sources=sources, design=design
+            )
         except OSError as exc:
             raise InputError(
                 f"cannot write outputs: {exc.strerror or exc}", where=exc.filename or args.out
             ) from None
     print(json.dumps(verdict["groups"], indent=2, sort_keys=True, allow_nan=False))
     print(verdict["overall"]["line"])
+    if verdict["confidence"].get("design_warning"):
+        print(verdict["confidence"]["design_warning"], file=sys.stderr)
     print(f"wrote {Path(args.out) / 'result_matrix.{json,csv,md}'} ({len(rows)} rows)", file=sys.stderr)
     return verdict["exit_code"]
 

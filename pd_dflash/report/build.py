@@ -23,6 +23,7 @@ from pd_dflash.report.aggregate import Matrix, build_matrix
 from pd_dflash.report.basis import verdict_basis, verdict_line
 from pd_dflash.report.brief import RowBrief, brief_of
 from pd_dflash.report.confidence import confidence_verdict
+from pd_dflash.report.design import Found, unknown_design_warning
 from pd_dflash.report.gates import Expectations, evaluate, overall
 from pd_dflash.report.matrix_json import matrix_json, write_matrix_json
 from pd_dflash.report.render import dumps, matrix_csv, matrix_markdown
@@ -37,12 +38,15 @@ def _evaluate(
     spec: SweepSpec | None,
     sources: Sequence[str] | None,
     plots: bool,
+    design: Found | None = None,
 ) -> tuple[Matrix, dict[str, Any], dict[str, str | bytes]]:
     """The matrix, the verdict, and every output but result_matrix.json (whose size grows with the rows).
 
     The verdict holds upstream's mean-based evaluation (``overall``, unchanged in meaning), the confidence-aware
     one beside it (``confidence``, per group under ``groups[key]["confidence"]``) and what both rest on
     (``basis``); ``overall["line"]`` states all three, ``overall["line_on_means"]`` the mean-based part alone.
+    ``design`` is what the inputs' sweep records said of their repeats (report/design.py): when it is not known,
+    rows that look adaptive get a warning in the verdict instead of silently fixed-n intervals.
     """
     matrix = build_matrix(rows, sources)
     details = evaluate(matrix, gates, Expectations.infer(matrix, spec))
@@ -51,6 +55,12 @@ def _evaluate(
     adaptive = None
     if spec is not None and spec.adaptive:  # each group judged at its last look (report/adaptive.py)
         confidence, adaptive = adaptive_verdict(rows, spec, gates, details)
+    warning = None
+    if spec is None and design is not None and not design.known:
+        warning = unknown_design_warning(matrix, design.why)
+    if warning is not None:
+        confidence["design_warning"] = warning
+        confidence["line"] += f" [{warning}]"
     basis = verdict_basis(matrix)
     summary["line_on_means"] = summary["line"]
     summary["line"] = verdict_line(summary, confidence, basis)
@@ -88,9 +98,10 @@ def build_report(
     spec: SweepSpec | None = None,
     sources: Sequence[str] | None = None,
     plots: bool = False,
+    design: Found | None = None,
 ) -> tuple[dict[str, Any], dict[str, str | bytes]]:
     """The verdict and every output file's content (relative name → text or PNG bytes); writes nothing."""
-    matrix, verdict, files = _evaluate(rows, gates, spec, sources, plots)
+    matrix, verdict, files = _evaluate(rows, gates, spec, sources, plots, design)
     return verdict, {"result_matrix.json": matrix_json(matrix), **files}
 
 
@@ -102,6 +113,7 @@ def write_outputs(
     plots: bool = False,
     spec: SweepSpec | None = None,
     sources: Sequence[str] | None = None,
+    design: Found | None = None,
 ) -> dict[str, Any]:
     """Aggregate, evaluate the gates and write every output atomically; return the verdict.
 
@@ -109,7 +121,7 @@ def write_outputs(
     (absent groups are then listed as missing). A duplicate identity raises InputError before anything is
     written. result_matrix.json is streamed to its file (rows are fetched group by group).
     """
-    matrix, verdict, files = _evaluate(rows, gates, spec, sources, plots)
+    matrix, verdict, files = _evaluate(rows, gates, spec, sources, plots, design)
     out = Path(out_dir)
     for name in ("result_matrix.json", *files):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
