@@ -5,6 +5,8 @@ Two kinds of check:
 - **what the spec says** (``spec.parse_spec`` and the field types, every command): no string anywhere holds a NUL
   (a path, an environment variable or a process argument cannot carry one), an ``env`` name is one the OS
   accepts (non-empty, no ``=``), a ``workload.chat_date`` is a real ``YYYY-MM-DD`` date;
+- **what this process can encode** (:func:`check_locale`, every command that loads a spec file, before any
+  file is touched): every string of the spec in the filesystem encoding (a non-ASCII path under ``LC_ALL=C``);
 - **what this machine can say** (:func:`check_here`, ``plan`` and ``run`` only: ``report --spec`` may run
   elsewhere): a prompt file the spec names exists and is readable here, and local mode's object store fits
   this machine's memory. What only the boxes can check is theirs (a named REFUSED cell, never Ray's text).
@@ -13,7 +15,9 @@ Two kinds of check:
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+import os
+import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -93,6 +97,38 @@ def check_no_nul(data: Any, source: str, path: tuple[str, ...] = ()) -> None:
     elif isinstance(data, list | tuple):
         for i, value in enumerate(data):
             check_no_nul(value, source, (*path, str(i)))
+
+
+def _strings(data: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, str]]:
+    """(field, string) for every string of a spec's data, keys included."""
+    if isinstance(data, str):
+        yield ".".join(path) or "<root>", data
+    elif isinstance(data, Mapping):
+        for key, value in data.items():
+            yield from _strings(key, path)
+            yield from _strings(value, (*path, str(key)))
+    elif isinstance(data, list | tuple):
+        for i, value in enumerate(data):
+            yield from _strings(value, (*path, str(i)))
+
+
+def check_locale(spec: Any, source: str) -> None:
+    """Every string of the spec (paths, ``file:`` prompts, drafters, env values) is one this process can hand to
+    the OS and to Ray: under a non-UTF-8 locale (``LC_ALL=C`` with ``PYTHONUTF8=0``) a non-ASCII path cannot be
+    encoded, and a ``stat``, an ``os.environ`` or ``ray.init`` would end in a UnicodeEncodeError. Refused before
+    anything touches a file, naming the field and the filesystem encoding."""
+    encoding = sys.getfilesystemencoding()
+    for field, value in _strings(spec.model_dump(mode="python")):
+        try:
+            os.fsencode(value)
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = "its value" if field.startswith("env.") else excerpt(value)  # env values stay unprinted
+            raise InputError(
+                f"{field}: {shown} cannot be encoded in this locale's filesystem encoding ({encoding}); "
+                "run under a UTF-8 locale (LC_ALL=C.UTF-8 or PYTHONUTF8=1) or use an ASCII name",
+                where=source,
+            ) from None
 
 
 def how_many(n: int) -> str:

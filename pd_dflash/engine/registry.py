@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from pd_dflash.baselines import GATED, ORDER
 from pd_dflash.errors import InputError, excerpt, format_validation_error
 from pd_dflash.spec import ModelSpec, SweepSpec, load_spec
-from pd_dflash.spec_inputs import check_concurrency, check_here, check_token_counts
+from pd_dflash.spec_inputs import check_concurrency, check_here, check_locale, check_token_counts
 
 if TYPE_CHECKING:
     from pd_dflash.engine.interface import Engine
@@ -266,8 +266,11 @@ def check_reads(spec: SweepSpec, known: EngineTraits) -> None:
 
 
 def load_checked_spec(path: str | Path) -> SweepSpec:
-    """``spec.load_spec`` followed by :func:`check`: how a command (plan, report --spec, run) loads a spec."""
-    return check(load_spec(path), where=str(path))
+    """``spec.load_spec`` followed by :func:`check`: how a command (plan, report --spec, run) loads a spec. The
+    locale check comes first: ``check`` may look for files the spec names."""
+    spec = load_spec(path)
+    check_locale(spec, str(path))
+    return check(spec, where=str(path))
 
 
 def load_spec_here(path: str | Path) -> SweepSpec:
