@@ -82,6 +82,11 @@ def test_an_adaptive_local_run_stops_decided_groups_and_runs_open_ones_to_max(tm
     assert (
         "adaptive repeats (3-5): 2 groups, 1 decided, 1 max reached; 32 cells asked for of 40" in done.stdout
     )
+    # `pd-dflash report OUT` without --spec reads the design from OUT/sweep.json: the run's own decisions
+    again = run_cli("report", str(out), "--out", str(tmp_path / "again"))
+    assert "adaptive repeats design read from" in again.stderr, again.stderr
+    reported = json.loads((tmp_path / "again" / "verdict.json").read_text())
+    assert reported["confidence"] == verdict["confidence"] and reported["adaptive"] == verdict["adaptive"]
 
 
 def test_sigterm_in_a_wave_then_resume_measures_no_cell_twice_and_reaches_the_same_decisions(
