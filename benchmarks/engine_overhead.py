@@ -418,7 +418,7 @@ def _hf_figures(counted: Capture, seconds: float, *, per: int, unit: str) -> dic
         f"host_syncs_per_{unit}": _sync_total(ops) / per,
         "host_syncs_by_kind": {k: len(v) for k, v in ops.syncs.items()},
         "grouped_mm_ops": ops.names.get("_grouped_mm", 0),
-        "top_ops": dict(ops.names.most_common(6)),
+        "top_ops": dict(ops.names.most_common(16)),
     }
     if _DEVICE is not None and _DEVICE.type == "cuda":
         out[f"cuda_sync_calls_per_{unit}"] = len(counted.cuda_syncs) / per
@@ -502,21 +502,30 @@ def timed_loop(engine, device, **how):
 def engine_row(engine, cell, device, args, *, mxfp4: bool) -> dict[str, Any]:
     """One cell: a timing run, a counting run (ops, syncs, dequantisations), and on CUDA a profiled run."""
     row: dict[str, Any] = {"path": cell.baseline, "kind": "engine", "concurrency": cell.concurrency}
-    with timed_loop(engine, device, count=False) as box:
+    with measured(device, count=False) as whole, timed_loop(engine, device, count=False) as box:
         result = engine.run_cell(cell)
     if result.status.value != "OK":
         row.update(status=result.status.value, reason=result.reason)
         return row
     timing = box["capture"]
     row.update(_timing_figures(result, timing))
+    row["cell_ms_per_token"] = whole.seconds * 1e3 / row["generated_tokens"]
     if cell.baseline == "OURS":
         predicted = [sum(len(p) for _layer, _needed, p in rnd) for rnd in timing.trace]
         if predicted:
             row["predicted_experts_per_round_median"] = statistics.median(predicted)
-    with timed_loop(engine, device, count=True, dequantise=mxfp4) as box:
+    # The whole cell (setup, warm-up, the timed loop, the row) counted by an outer counter; the inner one sees
+    # the timed loop only (each op reaches both: a mode re-dispatches to the one below it).
+    with (
+        measured(device, count=True) as cell_cap,
+        timed_loop(engine, device, count=True, dequantise=mxfp4) as box,
+    ):
         counted_result = engine.run_cell(cell)
     moe_layers = int(engine.describe()["moe_layers"])
     row.update(_count_figures(box["capture"], counted_result, moe_layers=moe_layers))
+    row.update(
+        _cell_figures(cell_cap, box["capture"], row["ops_total"], counted_result.generated_tokens or 1)
+    )
     if row.get("output_digest") != counted_result.engine.get("output_digest"):
         row["warnings"] = ["the counting run generated different tokens than the timing run"]
     if args.profile:
@@ -524,6 +533,21 @@ def engine_row(engine, cell, device, args, *, mxfp4: bool) -> dict[str, Any]:
             engine.run_cell(cell)
         row["gpu_busy_fraction"] = box["capture"].busy_fraction
     return row
+
+
+def _cell_figures(cell: Capture, timed: Capture, timed_ops: int, generated: int) -> dict[str, Any]:
+    """Ops of the whole ``run_cell`` per generated token, and where those outside the timed loop fall: before
+    it (setup, the warm-up rounds) and after it (the row's assembly, closing)."""
+    times, inner = cell.ops.times, timed.ops.times
+    before = bisect.bisect_left(times, inner[0]) if len(inner) else None
+    return {
+        "cell_ops_total": len(times),
+        "cell_ops_per_token": len(times) / generated,
+        "cell_host_syncs_per_token": _sync_total(cell.ops) / generated,
+        "cell_ops_before_timed_loop": before,
+        "cell_ops_outside_timed_loop": len(times) - timed_ops,
+        "cell_top_ops": dict(cell.ops.names.most_common(16)),
+    }
 
 
 def _verify_rounds(rounds) -> list:
@@ -573,7 +597,7 @@ def _count_figures(cap: Capture, result, *, moe_layers: int) -> dict[str, Any]:
         "host_syncs_per_token": len(syncs) / generated,
         "host_syncs_by_kind": {k: len(v) for k, v in ops.syncs.items()},
         "grouped_mm_ops": ops.names.get("_grouped_mm", 0),
-        "top_ops": dict(ops.names.most_common(6)),
+        "top_ops": dict(ops.names.most_common(16)),
     }
     if verify:
         windows = [w for w in (_window(r, "verify") for r in verify) if w]
@@ -946,6 +970,10 @@ def ratios(entry: dict[str, Any]) -> dict[str, Any]:
             out[name] = num[num_key] / den[den_key]
 
     put("b0_ops_per_token_over_grouped_mm_generate", b0, "ops_per_token", grouped, "ops_per_token")
+    # The whole cell (setup, warm-up, timed loop, the row) against generate's whole call (issue 28 item 4).
+    put("b0_cell_ops_per_token_over_grouped_mm_generate", b0, "cell_ops_per_token", grouped, "ops_per_token")
+    put("b0_cell_ms_per_token_over_grouped_mm_generate", b0, "cell_ms_per_token", grouped, "ms_per_token")
+    put("b0_ms_per_token_over_grouped_mm_generate", b0, "ms_per_token", grouped, "ms_per_token")
     put(
         "b3_ops_per_verify_forward_over_grouped_mm_forward",
         b3,

@@ -142,7 +142,15 @@ class CheckpointExpertStore(HostExpertStore):
     def dequantize(self, slot: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
         """The expert's compute tensors from its slot (on the device where it is computed; once per landing), or
         a batch of experts' from their slots' rows."""
-        parts = part_views(self.layout, slot[0])
+        return self.dequantize_parts(part_views(self.layout, slot[0]), dtype)
+
+    def stored_parts(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The slot buffers (``[[slots, expert_nbytes]]``) as ``[slots, *shape]`` part views, made once:
+        ``SlotPool`` gathers a batch of landed slots part by part, with no per-landing view ops."""
+        return part_views(self.layout, buffers[0])
+
+    def dequantize_parts(self, parts: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        """``dequantize`` from the parts already in their dtypes and shapes (one expert, or a batch)."""
         if self.storage == "mxfp4":
             return mxfp4.expert_weights(parts, dtype)
         return [p if p.dtype == dtype else p.to(dtype) for p in parts]

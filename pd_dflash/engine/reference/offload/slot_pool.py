@@ -53,6 +53,10 @@ class SlotPool:
         self.expert_compute_facts = expert_compute_choice(self.pool)
         self.expert_compute: str = self.expert_compute_facts["path"]
         self.device_slot_nbytes = store.device_slot_nbytes(dtype, linked=linked)
+        #: ``[slots, *shape]`` views of the stored parts when the store dequantises a batch from them: a
+        #: landing gathers each part (one op each) instead of viewing the gathered bytes part by part.
+        gathers = staged and not self.direct and getattr(store, "batched_dequantize", False)
+        self._stored_parts = store.stored_parts(self.buffers) if gathers else None
 
     @property
     def table(self) -> torch.Tensor:
@@ -77,6 +81,8 @@ class SlotPool:
         """The step a transfer into ``slot`` runs after its copy: dequantise into the pool (None if direct)."""
         if self.direct:
             return None
+        if self._stored_parts is not None:
+            return lambda: self._dequantize_slots([slot])
         return lambda: self._dequantize_into(slot, self.slot_views[slot])
 
     @property
@@ -121,18 +127,19 @@ class SlotPool:
         self._table[layer] = torch.arange(first_slot, first_slot + n, device=self.device)
 
     def close(self) -> None:
-        self.buffers, self.slot_views, self.pool = [], [], []
+        self.buffers, self.slot_views, self.pool, self._stored_parts = [], [], [], None
 
     def _dequantize_slots(self, slots: list[int]) -> None:
-        """The landed ``slots``' stored bytes → the pool: one gather, one grouped dequantisation, one scatter per
-        compute tensor, whatever the count (per slot when the store dequantises one expert at a time)."""
-        if len(slots) == 1 or not getattr(self.store, "batched_dequantize", False):
+        """The landed ``slots``' stored bytes → the pool: one gather per stored part, one grouped dequantisation,
+        one scatter per compute tensor, whatever the count (per slot when the store dequantises one expert at a
+        time)."""
+        if self._stored_parts is None:
             for slot in slots:
                 self._dequantize_into(slot, self.slot_views[slot])
             return
         where = to_device(torch.tensor(slots, dtype=torch.long), self.device)
-        stored = [b.index_select(0, where) for b in self.buffers]
-        for dst, w in zip(self.pool, self.store.dequantize(stored, self.dtype), strict=True):
+        stored = [p.index_select(0, where) for p in self._stored_parts]
+        for dst, w in zip(self.pool, self.store.dequantize_parts(stored, self.dtype), strict=True):
             dst.index_copy_(0, where, w)
 
     def _dequantize_into(self, slot: int, stored: list[torch.Tensor]) -> None:
