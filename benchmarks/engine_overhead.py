@@ -499,10 +499,37 @@ def timed_loop(engine, device, **how):
         del engine._timed
 
 
+@contextlib.contextmanager
+def warm_up_span(engine):
+    """The (start, end) host-clock span of the cell's warm-up rounds (``ReferenceEngine._warm_up`` wrapped on
+    the instance), filled in when it has run; empty when the engine has no such seam."""
+    original, span = getattr(engine, "_warm_up", None), []
+    if original is None:
+        yield span
+        return
+
+    def warm_up(cell, setup):
+        span.append(time.perf_counter())
+        try:
+            return original(cell, setup)
+        finally:
+            span.append(time.perf_counter())
+
+    engine._warm_up = warm_up
+    try:
+        yield span
+    finally:
+        del engine._warm_up
+
+
 def engine_row(engine, cell, device, args, *, mxfp4: bool) -> dict[str, Any]:
     """One cell: a timing run, a counting run (ops, syncs, dequantisations), and on CUDA a profiled run."""
     row: dict[str, Any] = {"path": cell.baseline, "kind": "engine", "concurrency": cell.concurrency}
-    with measured(device, count=False) as whole, timed_loop(engine, device, count=False) as box:
+    with (
+        measured(device, count=False) as whole,
+        timed_loop(engine, device, count=False) as box,
+        warm_up_span(engine) as warm,
+    ):
         result = engine.run_cell(cell)
     if result.status.value != "OK":
         row.update(status=result.status.value, reason=result.reason)
@@ -510,6 +537,10 @@ def engine_row(engine, cell, device, args, *, mxfp4: bool) -> dict[str, Any]:
     timing = box["capture"]
     row.update(_timing_figures(result, timing))
     row["cell_ms_per_token"] = whole.seconds * 1e3 / row["generated_tokens"]
+    if warm:
+        row["warm_up_ms"] = (warm[1] - warm[0]) * 1e3
+        rest = whole.seconds - (warm[1] - warm[0])
+        row["cell_ms_per_token_excl_warm_up"] = rest * 1e3 / row["generated_tokens"]
     if cell.baseline == "OURS":
         predicted = [sum(len(p) for _layer, _needed, p in rnd) for rnd in timing.trace]
         if predicted:
@@ -519,13 +550,16 @@ def engine_row(engine, cell, device, args, *, mxfp4: bool) -> dict[str, Any]:
     with (
         measured(device, count=True) as cell_cap,
         timed_loop(engine, device, count=True, dequantise=mxfp4) as box,
+        warm_up_span(engine) as warm,
     ):
         counted_result = engine.run_cell(cell)
     moe_layers = int(engine.describe()["moe_layers"])
     row.update(_count_figures(box["capture"], counted_result, moe_layers=moe_layers))
-    row.update(
-        _cell_figures(cell_cap, box["capture"], row["ops_total"], counted_result.generated_tokens or 1)
-    )
+    generated = counted_result.generated_tokens or 1
+    row.update(_cell_figures(cell_cap, box["capture"], row["ops_total"], generated))
+    if warm:
+        row["cell_ops_warm_up"] = _in(cell_cap.ops.times, *warm)
+        row["cell_ops_per_token_excl_warm_up"] = (row["cell_ops_total"] - row["cell_ops_warm_up"]) / generated
     if row.get("output_digest") != counted_result.engine.get("output_digest"):
         row["warnings"] = ["the counting run generated different tokens than the timing run"]
     if args.profile:
@@ -1021,6 +1055,21 @@ def ratios(entry: dict[str, Any]) -> dict[str, Any]:
     put("b0_cell_ops_per_token_over_grouped_mm_generate", b0, "cell_ops_per_token", grouped, "ops_per_token")
     put("b0_cell_ms_per_token_over_grouped_mm_generate", b0, "cell_ms_per_token", grouped, "ms_per_token")
     put("b0_ms_per_token_over_grouped_mm_generate", b0, "ms_per_token", grouped, "ms_per_token")
+    # The cell without its warm-up rounds (generate's warm-up call is not counted either): setup, rounds, row.
+    put(
+        "b0_cell_excl_warm_up_ops_per_token_over_grouped_mm_generate",
+        b0,
+        "cell_ops_per_token_excl_warm_up",
+        grouped,
+        "ops_per_token",
+    )
+    put(
+        "b0_cell_excl_warm_up_ms_per_token_over_grouped_mm_generate",
+        b0,
+        "cell_ms_per_token_excl_warm_up",
+        grouped,
+        "ms_per_token",
+    )
     put(
         "b3_ops_per_verify_forward_over_grouped_mm_forward",
         b3,
