@@ -53,6 +53,9 @@ class SlotPool:
         self.expert_compute_facts = expert_compute_choice(self.pool)
         self.expert_compute: str = self.expert_compute_facts["path"]
         self.device_slot_nbytes = store.device_slot_nbytes(dtype, linked=linked)
+        #: (layer, expert) → its host payload views (``store.payload``), made on its first transfer: a fetch
+        #: again later costs no view op.
+        self._payloads: dict[tuple[int, int], list[torch.Tensor]] = {}
         #: ``[slots, *shape]`` views of the stored parts when the store dequantises a batch from them: a
         #: landing gathers each part (one op each) instead of viewing the gathered bytes part by part.
         gathers = staged and not self.direct and getattr(store, "batched_dequantize", False)
@@ -103,7 +106,7 @@ class SlotPool:
             if j - i == 1:
                 m = members[i]
                 dst += m.dst
-                src += m.src if m.src is not None else store.payload(*m.key)
+                src += m.src if m.src is not None else self.payload(m.key)
             else:
                 stored = [*store.parts[layer], *(s for s in store.scales[layer] if s is not None)]
                 for buffer, part in zip(buffers, stored, strict=True):
@@ -111,6 +114,13 @@ class SlotPool:
                     src.append(part[e0 : e0 + j - i].view(j - i, *buffer.shape[1:]))
             i = j
         torch._foreach_copy_(dst, src, non_blocking=non_blocking)
+
+    def payload(self, key: tuple[int, int]) -> list[torch.Tensor]:
+        """``store.payload(*key)``, its views made once per key (a transfer of the key again costs no view op)."""
+        views = self._payloads.get(key)
+        if views is None:
+            views = self._payloads[key] = self.store.payload(*key)
+        return views
 
     def load(self, slot: int, payload: list[torch.Tensor]) -> bool:
         """Place an expert's host ``payload`` in ``slot`` now (the resident load); True if it was dequantised."""
@@ -128,6 +138,7 @@ class SlotPool:
 
     def close(self) -> None:
         self.buffers, self.slot_views, self.pool, self._stored_parts = [], [], [], None
+        self._payloads = {}
 
     def _dequantize_slots(self, slots: list[int]) -> None:
         """The landed ``slots``' stored bytes → the pool: one gather per stored part, one grouped dequantisation,
