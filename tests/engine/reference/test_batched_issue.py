@@ -82,7 +82,7 @@ def test_a_batch_of_mxfp4_landings_dequantises_once_into_the_slots_one_by_one_wo
     many = ExpertCache(st, n * st.expert_nbytes, CPU, torch.bfloat16, link=HostLink(None))
     calls = []
     real = st.dequantize_parts
-    st.dequantize_parts = lambda parts, dtype: calls.append(len(parts[0])) or real(parts, dtype)
+    st.dequantize_parts = lambda parts, dtype, **kw: calls.append(len(parts[0])) or real(parts, dtype, **kw)
     try:
         keys = [(layer, e) for e in range(n)]
         for k in keys:

@@ -149,8 +149,11 @@ class CheckpointExpertStore(HostExpertStore):
         ``SlotPool`` gathers a batch of landed slots part by part, with no per-landing view ops."""
         return part_views(self.layout, buffers[0])
 
-    def dequantize_parts(self, parts: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        """``dequantize`` from the parts already in their dtypes and shapes (one expert, or a batch)."""
+    def dequantize_parts(
+        self, parts: list[torch.Tensor], dtype: torch.dtype, contiguous: bool = True
+    ) -> list[torch.Tensor]:
+        """``dequantize`` from the parts already in their dtypes and shapes (one expert, or a batch); with
+        ``contiguous=False`` a weight may be a view (the caller copies it into its slot)."""
         if self.storage == "mxfp4":
-            return mxfp4.expert_weights(parts, dtype)
+            return mxfp4.expert_weights(parts, dtype, contiguous)
         return [p if p.dtype == dtype else p.to(dtype) for p in parts]

@@ -150,7 +150,9 @@ class SlotPool:
             return
         where = to_device(torch.tensor(slots, dtype=torch.long), self.device)
         stored = [p.index_select(0, where) for p in self._stored_parts]
-        for dst, w in zip(self.pool, self.store.dequantize_parts(stored, self.dtype), strict=True):
+        for dst, w in zip(
+            self.pool, self.store.dequantize_parts(stored, self.dtype, contiguous=False), strict=True
+        ):
             dst.index_copy_(0, where, w)
 
     def _dequantize_into(self, slot: int, stored: list[torch.Tensor]) -> None:
