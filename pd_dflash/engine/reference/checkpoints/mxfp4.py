@@ -48,11 +48,12 @@ def expert_weights(
     slot: list[torch.Tensor], dtype: torch.dtype, contiguous: bool = True
 ) -> list[torch.Tensor]:
     """One gpt-oss expert's compute tensors ``[gate_up [H, 2I], gate_up_bias, down [I, H], down_bias]`` from its
-    stored parts ``[gate_up blocks, scales, bias, down blocks, scales, bias]``."""
+    stored parts ``[gate_up blocks, scales, bias, down blocks, scales, bias]`` (a bias given as None stays None:
+    the caller views it in place)."""
     gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = slot
     return [
         dequantize(gu_blocks, gu_scales, dtype, contiguous),
-        gu_bias if gu_bias.dtype == dtype else gu_bias.to(dtype),
+        gu_bias if gu_bias is None or gu_bias.dtype == dtype else gu_bias.to(dtype),
         dequantize(d_blocks, d_scales, dtype, contiguous),
-        d_bias if d_bias.dtype == dtype else d_bias.to(dtype),
+        d_bias if d_bias is None or d_bias.dtype == dtype else d_bias.to(dtype),
     ]

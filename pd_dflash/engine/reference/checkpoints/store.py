@@ -149,6 +149,14 @@ class CheckpointExpertStore(HostExpertStore):
         ``SlotPool`` gathers a batch of landed slots part by part, with no per-landing view ops."""
         return part_views(self.layout, buffers[0])
 
+    def passthrough(self, dtype: torch.dtype) -> dict[int, int]:
+        """{compute tensor: stored part} for the compute tensors that ARE a stored part (MXFP4's biases, stored
+        at the compute dtype): ``SlotPool`` views those slot bytes as the compute tensor, nothing to land."""
+        if self.storage != "mxfp4":
+            return {}
+        parts = self.layout.parts
+        return {c: p for c, p in ((1, 2), (3, 5)) if TORCH_DTYPES[parts[p].dtype] == dtype}
+
     def dequantize_parts(
         self, parts: list[torch.Tensor], dtype: torch.dtype, contiguous: bool = True
     ) -> list[torch.Tensor]:

@@ -60,6 +60,10 @@ class SlotPool:
         #: landing gathers each part (one op each) instead of viewing the gathered bytes part by part.
         gathers = staged and not self.direct and getattr(store, "batched_dequantize", False)
         self._stored_parts = store.stored_parts(self.buffers) if gathers else None
+        #: Compute tensors that are a stored part as it is (MXFP4's biases): the pool views the slot bytes.
+        self._passthrough: dict[int, int] = store.passthrough(dtype) if gathers else {}
+        for c, p in self._passthrough.items():
+            self.pool[c] = self._stored_parts[p]
 
     @property
     def table(self) -> torch.Tensor:
@@ -149,11 +153,12 @@ class SlotPool:
                 self._dequantize_into(slot, self.slot_views[slot])
             return
         where = to_device(torch.tensor(slots, dtype=torch.long), self.device)
-        stored = [p.index_select(0, where) for p in self._stored_parts]
-        for dst, w in zip(
-            self.pool, self.store.dequantize_parts(stored, self.dtype, contiguous=False), strict=True
-        ):
-            dst.index_copy_(0, where, w)
+        skip = set(self._passthrough.values())
+        stored = [None if j in skip else p.index_select(0, where) for j, p in enumerate(self._stored_parts)]
+        weights = self.store.dequantize_parts(stored, self.dtype, contiguous=False)
+        for dst, w in zip(self.pool, weights, strict=True):
+            if w is not None:  # None: a passthrough part, already in place
+                dst.index_copy_(0, where, w)
 
     def _dequantize_into(self, slot: int, stored: list[torch.Tensor]) -> None:
         for dst, w in zip(self.weights(slot), self.store.dequantize(stored, self.dtype), strict=True):
