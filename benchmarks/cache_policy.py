@@ -88,6 +88,8 @@ def record(spec_path: str, baseline: str, block_size: int, concurrency: int, evi
         "slots": slots,
         "timeline": timeline,
         "transfer_seconds": engine.store.expert_nbytes / rate if rate else None,
+        "expert_cache": ec,
+        "timed_seconds": row.timed_seconds,
         "engine": {
             "eviction": ec["policy"],
             "h2d_transfers": ec["h2d_transfers"],

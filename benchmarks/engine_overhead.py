@@ -418,7 +418,7 @@ def _hf_figures(counted: Capture, seconds: float, *, per: int, unit: str) -> dic
         f"host_syncs_per_{unit}": _sync_total(ops) / per,
         "host_syncs_by_kind": {k: len(v) for k, v in ops.syncs.items()},
         "grouped_mm_ops": ops.names.get("_grouped_mm", 0),
-        "top_ops": dict(ops.names.most_common(6)),
+        "top_ops": dict(ops.names.most_common(16)),
     }
     if _DEVICE is not None and _DEVICE.type == "cuda":
         out[f"cuda_sync_calls_per_{unit}"] = len(counted.cuda_syncs) / per
@@ -499,24 +499,67 @@ def timed_loop(engine, device, **how):
         del engine._timed
 
 
+@contextlib.contextmanager
+def warm_up_span(engine):
+    """The (start, end) host-clock span of the cell's warm-up rounds (``ReferenceEngine._warm_up`` wrapped on
+    the instance), filled in when it has run; empty when the engine has no such seam."""
+    original, span = getattr(engine, "_warm_up", None), []
+    if original is None:
+        yield span
+        return
+
+    def warm_up(cell, setup):
+        span.append(time.perf_counter())
+        try:
+            return original(cell, setup)
+        finally:
+            span.append(time.perf_counter())
+
+    engine._warm_up = warm_up
+    try:
+        yield span
+    finally:
+        del engine._warm_up
+
+
 def engine_row(engine, cell, device, args, *, mxfp4: bool) -> dict[str, Any]:
     """One cell: a timing run, a counting run (ops, syncs, dequantisations), and on CUDA a profiled run."""
     row: dict[str, Any] = {"path": cell.baseline, "kind": "engine", "concurrency": cell.concurrency}
-    with timed_loop(engine, device, count=False) as box:
+    with (
+        measured(device, count=False) as whole,
+        timed_loop(engine, device, count=False) as box,
+        warm_up_span(engine) as warm,
+    ):
         result = engine.run_cell(cell)
     if result.status.value != "OK":
         row.update(status=result.status.value, reason=result.reason)
         return row
     timing = box["capture"]
     row.update(_timing_figures(result, timing))
+    row["cell_ms_per_token"] = whole.seconds * 1e3 / row["generated_tokens"]
+    if warm:
+        row["warm_up_ms"] = (warm[1] - warm[0]) * 1e3
+        rest = whole.seconds - (warm[1] - warm[0])
+        row["cell_ms_per_token_excl_warm_up"] = rest * 1e3 / row["generated_tokens"]
     if cell.baseline == "OURS":
         predicted = [sum(len(p) for _layer, _needed, p in rnd) for rnd in timing.trace]
         if predicted:
             row["predicted_experts_per_round_median"] = statistics.median(predicted)
-    with timed_loop(engine, device, count=True, dequantise=mxfp4) as box:
+    # The whole cell (setup, warm-up, the timed loop, the row) counted by an outer counter; the inner one sees
+    # the timed loop only (each op reaches both: a mode re-dispatches to the one below it).
+    with (
+        measured(device, count=True) as cell_cap,
+        timed_loop(engine, device, count=True, dequantise=mxfp4) as box,
+        warm_up_span(engine) as warm,
+    ):
         counted_result = engine.run_cell(cell)
     moe_layers = int(engine.describe()["moe_layers"])
     row.update(_count_figures(box["capture"], counted_result, moe_layers=moe_layers))
+    generated = counted_result.generated_tokens or 1
+    row.update(_cell_figures(cell_cap, box["capture"], row["ops_total"], generated))
+    if warm:
+        row["cell_ops_warm_up"] = _in(cell_cap.ops.times, *warm)
+        row["cell_ops_per_token_excl_warm_up"] = (row["cell_ops_total"] - row["cell_ops_warm_up"]) / generated
     if row.get("output_digest") != counted_result.engine.get("output_digest"):
         row["warnings"] = ["the counting run generated different tokens than the timing run"]
     if args.profile:
@@ -524,6 +567,21 @@ def engine_row(engine, cell, device, args, *, mxfp4: bool) -> dict[str, Any]:
             engine.run_cell(cell)
         row["gpu_busy_fraction"] = box["capture"].busy_fraction
     return row
+
+
+def _cell_figures(cell: Capture, timed: Capture, timed_ops: int, generated: int) -> dict[str, Any]:
+    """Ops of the whole ``run_cell`` per generated token, and where those outside the timed loop fall: before
+    it (setup, the warm-up rounds) and after it (the row's assembly, closing)."""
+    times, inner = cell.ops.times, timed.ops.times
+    before = bisect.bisect_left(times, inner[0]) if len(inner) else None
+    return {
+        "cell_ops_total": len(times),
+        "cell_ops_per_token": len(times) / generated,
+        "cell_host_syncs_per_token": _sync_total(cell.ops) / generated,
+        "cell_ops_before_timed_loop": before,
+        "cell_ops_outside_timed_loop": len(times) - timed_ops,
+        "cell_top_ops": dict(cell.ops.names.most_common(16)),
+    }
 
 
 def _verify_rounds(rounds) -> list:
@@ -573,7 +631,7 @@ def _count_figures(cap: Capture, result, *, moe_layers: int) -> dict[str, Any]:
         "host_syncs_per_token": len(syncs) / generated,
         "host_syncs_by_kind": {k: len(v) for k, v in ops.syncs.items()},
         "grouped_mm_ops": ops.names.get("_grouped_mm", 0),
-        "top_ops": dict(ops.names.most_common(6)),
+        "top_ops": dict(ops.names.most_common(16)),
     }
     if verify:
         windows = [w for w in (_window(r, "verify") for r in verify) if w]
@@ -619,12 +677,14 @@ def bm2(engine, device, args, window_seconds: float | None) -> dict[str, Any]:
     store = engine.store
     keys = [(layer, e) for layer in store.layer_ids for e in range(store.num_experts)]
     samples: dict[str, list[float]] = {m: [] for m in BM2_MODES}
+    landing: dict[str, list[float]] = {m: [] for m in BM2_MODES}
     dropped = dict.fromkeys(BM2_MODES, 0)
     for i in range(args.bm2_warmup + args.bm2_iterations):
         for mode in BM2_MODES:
             cache = ExpertCache(
                 store, store.total_bytes, device, engine.compute_dtype, link=_link(device, args)
             )
+            spent = _time_landings(cache.slots)
             start = time.perf_counter_ns()
             if mode == "batched":
                 dropped[mode] += len(keys) - cache.prefetch_many(keys)[0]
@@ -636,6 +696,7 @@ def bm2(engine, device, args, window_seconds: float | None) -> dict[str, Any]:
             cache.close()
             if i >= args.bm2_warmup:
                 samples[mode].append(elapsed / 1e3)
+                landing[mode].append(spent[0] / 1e3)
     out: dict[str, Any] = {
         "benchmark": "BM2",
         "mode": "python-per-expert (ExpertCache.prefetch per expert)",
@@ -648,15 +709,59 @@ def bm2(engine, device, args, window_seconds: float | None) -> dict[str, Any]:
     for mode in BM2_MODES:
         out["modes"][mode] = {"dropped": dropped[mode], **_quantiles(samples[mode])}
         out["modes"][mode]["issue_p50_us_per_expert"] = out["modes"][mode]["issue_p50_us"] / len(keys)
+        out["modes"][mode]["landing_p50_us"] = statistics.median(landing[mode])
+        if device.type == "cpu" and any(landing[mode]):
+            # The emulated link lands (dequantises) inside the issue call; on CUDA the decoding runs on the
+            # copy stream after the issue returns. The issue path without it, per iteration:
+            excl = [a - b for a, b in zip(samples[mode], landing[mode], strict=True)]
+            out["modes"][mode]["issue_excl_landing_p50_us"] = nearest_rank(excl, 0.5)
+    out["landing"] = (
+        "none: the slots hold the compute format"
+        if cache.slots.direct
+        else "dequantised at landing: inside the issue call on the emulated link (landing_p50_us); "
+        "issue_excl_landing_p50_us is the issue without it"
+        if device.type == "cpu"
+        else "dequantised on the copy stream; landing_p50_us is its host dispatch inside the issue"
+    )
     out["issue_p50_us_per_expert"] = out["issue_p50_us"] / len(keys)
     batched = out["modes"]["batched"]
     out["batched_p50_over_per_expert_p50"] = batched["issue_p50_us"] / out["issue_p50_us"]
+    per_excl = out["modes"]["python-per-expert"].get("issue_excl_landing_p50_us")
+    if per_excl and batched.get("issue_excl_landing_p50_us") is not None:
+        out["batched_over_per_expert_excl_landing_p50"] = batched["issue_excl_landing_p50_us"] / per_excl
     if window_seconds is not None and window_seconds > 0:
         out["window_us"] = window_seconds * 1e6
         out["candidate_required"] = out["issue_p50_us"] > out["window_us"]
         # Upstream's rule: a batched path ships when one is required and its measured median fits the window.
         out["ship_batched"] = out["candidate_required"] and batched["issue_p50_us"] <= out["window_us"]
+        if "batched_over_per_expert_excl_landing_p50" in out:
+            excl = out["modes"]["python-per-expert"]["issue_excl_landing_p50_us"]
+            out["ship_batched_excl_landing"] = (
+                excl > out["window_us"] and batched["issue_excl_landing_p50_us"] <= out["window_us"]
+            )
     return out
+
+
+def _time_landings(slots) -> list[int]:
+    """Nanoseconds the pool spends landing (dequantising) slots, summed into the returned box: its two landing
+    steps wrapped on this instance (the outer call only, when one calls the other)."""
+    spent, depth = [0], [0]
+    for name in ("_dequantize_slots", "_dequantize_into"):
+        original = getattr(slots, name)
+
+        def wrapped(*a, _original=original, **kw):
+            if depth[0]:
+                return _original(*a, **kw)
+            depth[0] += 1
+            t0 = time.perf_counter_ns()
+            try:
+                return _original(*a, **kw)
+            finally:
+                spent[0] += time.perf_counter_ns() - t0
+                depth[0] -= 1
+
+        setattr(slots, name, wrapped)
+    return spent
 
 
 def _quantiles(samples: list[float]) -> dict[str, float]:
@@ -946,6 +1051,25 @@ def ratios(entry: dict[str, Any]) -> dict[str, Any]:
             out[name] = num[num_key] / den[den_key]
 
     put("b0_ops_per_token_over_grouped_mm_generate", b0, "ops_per_token", grouped, "ops_per_token")
+    # The whole cell (setup, warm-up, timed loop, the row) against generate's whole call (issue 28 item 4).
+    put("b0_cell_ops_per_token_over_grouped_mm_generate", b0, "cell_ops_per_token", grouped, "ops_per_token")
+    put("b0_cell_ms_per_token_over_grouped_mm_generate", b0, "cell_ms_per_token", grouped, "ms_per_token")
+    put("b0_ms_per_token_over_grouped_mm_generate", b0, "ms_per_token", grouped, "ms_per_token")
+    # The cell without its warm-up rounds (generate's warm-up call is not counted either): setup, rounds, row.
+    put(
+        "b0_cell_excl_warm_up_ops_per_token_over_grouped_mm_generate",
+        b0,
+        "cell_ops_per_token_excl_warm_up",
+        grouped,
+        "ops_per_token",
+    )
+    put(
+        "b0_cell_excl_warm_up_ms_per_token_over_grouped_mm_generate",
+        b0,
+        "cell_ms_per_token_excl_warm_up",
+        grouped,
+        "ms_per_token",
+    )
     put(
         "b3_ops_per_verify_forward_over_grouped_mm_forward",
         b3,
@@ -1047,11 +1171,23 @@ def render(doc: dict[str, Any]) -> str:
                 out.append(
                     f"- {mode}: p50 {m['issue_p50_us']:,.0f} µs, p90 {m['issue_p90_us']:,.0f} µs, "
                     f"p99 {m['issue_p99_us']:,.0f} µs ({m['issue_p50_us_per_expert']:.2f} µs per expert)"
+                    + (
+                        f"; landing (dequantisation) p50 {m['landing_p50_us']:,.0f} µs, issue without it p50 "
+                        f"{m['issue_excl_landing_p50_us']:,.0f} µs"
+                        if "issue_excl_landing_p50_us" in m
+                        else ""
+                    )
                 )
             if "batched_p50_over_per_expert_p50" in b:
                 out.append(
                     f"- batched p50 / per-expert p50 = {b['batched_p50_over_per_expert_p50']:.3f} (target ≤ 0.2); "
                     f"ship_batched = {_fmt(b.get('ship_batched'))}"
+                )
+            if "batched_over_per_expert_excl_landing_p50" in b:
+                out.append(
+                    f"- without the landing: batched / per-expert = "
+                    f"{b['batched_over_per_expert_excl_landing_p50']:.3f}; "
+                    f"ship_batched_excl_landing = {_fmt(b.get('ship_batched_excl_landing'))} ({b['landing']})"
                 )
         if "bm3" in g:
             out += ["", *_bm3_lines(g["bm3"])]

@@ -81,8 +81,8 @@ def test_a_batch_of_mxfp4_landings_dequantises_once_into_the_slots_one_by_one_wo
     one = ExpertCache(st, n * st.expert_nbytes, CPU, torch.bfloat16, link=HostLink(None))
     many = ExpertCache(st, n * st.expert_nbytes, CPU, torch.bfloat16, link=HostLink(None))
     calls = []
-    real = st.dequantize
-    st.dequantize = lambda slot, dtype: calls.append(slot[0].shape) or real(slot, dtype)
+    real = st.dequantize_parts
+    st.dequantize_parts = lambda parts, dtype, **kw: calls.append(len(parts[0])) or real(parts, dtype, **kw)
     try:
         keys = [(layer, e) for e in range(n)]
         for k in keys:
@@ -90,8 +90,8 @@ def test_a_batch_of_mxfp4_landings_dequantises_once_into_the_slots_one_by_one_wo
         calls.clear()
         many.prefetch_many(keys)
     finally:
-        del st.dequantize
-    assert calls == [torch.Size([n, st.expert_nbytes])]  # one grouped call for the layer's landings
+        del st.dequantize_parts
+    assert calls == [n]  # one grouped call for the layer's landings
     assert many.counters.dequantized_landings == n
     for k in keys:
         got, want = many.weights(many.entries[k]), one.weights(one.entries[k])

@@ -28,27 +28,32 @@ def _lut(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _LUTS[key]
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, contiguous: bool = True
+) -> torch.Tensor:
     """``blocks [..., R, G, 16]`` (uint8) and ``scales [..., R, G]`` → weights ``[..., G·32, R]`` in ``dtype``
-    (the transposed layout gpt-oss's experts multiply with: ``x @ w``)."""
+    (the transposed layout gpt-oss's experts multiply with: ``x @ w``); with ``contiguous=False`` the transposed
+    view (for a caller that copies it into place anyway: one op less)."""
     *prefix, rows, groups, nbytes = blocks.shape
     if tuple(scales.shape) != (*prefix, rows, groups):
         raise ValueError(f"MXFP4 scales {tuple(scales.shape)} do not match blocks {tuple(blocks.shape)}")
     flat = blocks.reshape(-1, nbytes)
-    out = _lut(dtype, blocks.device)[flat.to(torch.int)].view(
-        flat.shape[0], nbytes * 2
-    )  # [.., byte, (lo, hi)]
-    torch.ldexp(out, scales.reshape(-1, 1).to(torch.int32) - 127, out=out)
-    return out.view(*prefix, rows, groups * nbytes * 2).transpose(-1, -2).contiguous()
+    out = _lut(dtype, blocks.device)[flat.to(torch.int)]  # [group, byte, (lo, hi)]
+    torch.ldexp(out, scales.reshape(-1, 1, 1).to(torch.int32) - 127, out=out)
+    w = out.view(*prefix, rows, groups * nbytes * 2).transpose(-1, -2)
+    return w.contiguous() if contiguous else w
 
 
-def expert_weights(slot: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+def expert_weights(
+    slot: list[torch.Tensor], dtype: torch.dtype, contiguous: bool = True
+) -> list[torch.Tensor]:
     """One gpt-oss expert's compute tensors ``[gate_up [H, 2I], gate_up_bias, down [I, H], down_bias]`` from its
-    stored parts ``[gate_up blocks, scales, bias, down blocks, scales, bias]``."""
+    stored parts ``[gate_up blocks, scales, bias, down blocks, scales, bias]`` (a bias given as None stays None:
+    the caller views it in place)."""
     gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = slot
     return [
-        dequantize(gu_blocks, gu_scales, dtype),
-        gu_bias if gu_bias.dtype == dtype else gu_bias.to(dtype),
-        dequantize(d_blocks, d_scales, dtype),
-        d_bias if d_bias.dtype == dtype else d_bias.to(dtype),
+        dequantize(gu_blocks, gu_scales, dtype, contiguous),
+        gu_bias if gu_bias is None or gu_bias.dtype == dtype else gu_bias.to(dtype),
+        dequantize(d_blocks, d_scales, dtype, contiguous),
+        d_bias if d_bias is None or d_bias.dtype == dtype else d_bias.to(dtype),
     ]

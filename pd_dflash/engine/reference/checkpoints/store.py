@@ -142,7 +142,26 @@ class CheckpointExpertStore(HostExpertStore):
     def dequantize(self, slot: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
         """The expert's compute tensors from its slot (on the device where it is computed; once per landing), or
         a batch of experts' from their slots' rows."""
-        parts = part_views(self.layout, slot[0])
+        return self.dequantize_parts(part_views(self.layout, slot[0]), dtype)
+
+    def stored_parts(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The slot buffers (``[[slots, expert_nbytes]]``) as ``[slots, *shape]`` part views, made once:
+        ``SlotPool`` gathers a batch of landed slots part by part, with no per-landing view ops."""
+        return part_views(self.layout, buffers[0])
+
+    def passthrough(self, dtype: torch.dtype) -> dict[int, int]:
+        """{compute tensor: stored part} for the compute tensors that ARE a stored part (MXFP4's biases, stored
+        at the compute dtype): ``SlotPool`` views those slot bytes as the compute tensor, nothing to land."""
+        if self.storage != "mxfp4":
+            return {}
+        parts = self.layout.parts
+        return {c: p for c, p in ((1, 2), (3, 5)) if TORCH_DTYPES[parts[p].dtype] == dtype}
+
+    def dequantize_parts(
+        self, parts: list[torch.Tensor], dtype: torch.dtype, contiguous: bool = True
+    ) -> list[torch.Tensor]:
+        """``dequantize`` from the parts already in their dtypes and shapes (one expert, or a batch); with
+        ``contiguous=False`` a weight may be a view (the caller copies it into its slot)."""
         if self.storage == "mxfp4":
-            return mxfp4.expert_weights(parts, dtype)
+            return mxfp4.expert_weights(parts, dtype, contiguous)
         return [p if p.dtype == dtype else p.to(dtype) for p in parts]

@@ -327,7 +327,7 @@ class ExpertCache:
             land = self.slots.lander(slot)
             self.counters.dequantized_landings += land is not None
             transfer = self.link.submit(
-                self.slots.slot_views[slot], self.store.payload(*key), nbytes, demand, after=slot, land=land
+                self.slots.slot_views[slot], self.slots.payload(key), nbytes, demand, after=slot, land=land
             )
         else:
             transfer = self.batching.add(key, slot)

@@ -53,6 +53,17 @@ class SlotPool:
         self.expert_compute_facts = expert_compute_choice(self.pool)
         self.expert_compute: str = self.expert_compute_facts["path"]
         self.device_slot_nbytes = store.device_slot_nbytes(dtype, linked=linked)
+        #: (layer, expert) → its host payload views (``store.payload``), made on its first transfer: a fetch
+        #: again later costs no view op.
+        self._payloads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        #: ``[slots, *shape]`` views of the stored parts when the store dequantises a batch from them: a
+        #: landing gathers each part (one op each) instead of viewing the gathered bytes part by part.
+        gathers = staged and not self.direct and getattr(store, "batched_dequantize", False)
+        self._stored_parts = store.stored_parts(self.buffers) if gathers else None
+        #: Compute tensors that are a stored part as it is (MXFP4's biases): the pool views the slot bytes.
+        self._passthrough: dict[int, int] = store.passthrough(dtype) if gathers else {}
+        for c, p in self._passthrough.items():
+            self.pool[c] = self._stored_parts[p]
 
     @property
     def table(self) -> torch.Tensor:
@@ -77,6 +88,8 @@ class SlotPool:
         """The step a transfer into ``slot`` runs after its copy: dequantise into the pool (None if direct)."""
         if self.direct:
             return None
+        if self._stored_parts is not None:
+            return lambda: self._dequantize_slots([slot])
         return lambda: self._dequantize_into(slot, self.slot_views[slot])
 
     @property
@@ -97,7 +110,7 @@ class SlotPool:
             if j - i == 1:
                 m = members[i]
                 dst += m.dst
-                src += m.src if m.src is not None else store.payload(*m.key)
+                src += m.src if m.src is not None else self.payload(m.key)
             else:
                 stored = [*store.parts[layer], *(s for s in store.scales[layer] if s is not None)]
                 for buffer, part in zip(buffers, stored, strict=True):
@@ -105,6 +118,13 @@ class SlotPool:
                     src.append(part[e0 : e0 + j - i].view(j - i, *buffer.shape[1:]))
             i = j
         torch._foreach_copy_(dst, src, non_blocking=non_blocking)
+
+    def payload(self, key: tuple[int, int]) -> list[torch.Tensor]:
+        """``store.payload(*key)``, its views made once per key (a transfer of the key again costs no view op)."""
+        views = self._payloads.get(key)
+        if views is None:
+            views = self._payloads[key] = self.store.payload(*key)
+        return views
 
     def load(self, slot: int, payload: list[torch.Tensor]) -> bool:
         """Place an expert's host ``payload`` in ``slot`` now (the resident load); True if it was dequantised."""
@@ -121,19 +141,24 @@ class SlotPool:
         self._table[layer] = torch.arange(first_slot, first_slot + n, device=self.device)
 
     def close(self) -> None:
-        self.buffers, self.slot_views, self.pool = [], [], []
+        self.buffers, self.slot_views, self.pool, self._stored_parts = [], [], [], None
+        self._payloads = {}
 
     def _dequantize_slots(self, slots: list[int]) -> None:
-        """The landed ``slots``' stored bytes → the pool: one gather, one grouped dequantisation, one scatter per
-        compute tensor, whatever the count (per slot when the store dequantises one expert at a time)."""
-        if len(slots) == 1 or not getattr(self.store, "batched_dequantize", False):
+        """The landed ``slots``' stored bytes → the pool: one gather per stored part, one grouped dequantisation,
+        one scatter per compute tensor, whatever the count (per slot when the store dequantises one expert at a
+        time)."""
+        if self._stored_parts is None:
             for slot in slots:
                 self._dequantize_into(slot, self.slot_views[slot])
             return
         where = to_device(torch.tensor(slots, dtype=torch.long), self.device)
-        stored = [b.index_select(0, where) for b in self.buffers]
-        for dst, w in zip(self.pool, self.store.dequantize(stored, self.dtype), strict=True):
-            dst.index_copy_(0, where, w)
+        skip = set(self._passthrough.values())
+        stored = [None if j in skip else p.index_select(0, where) for j, p in enumerate(self._stored_parts)]
+        weights = self.store.dequantize_parts(stored, self.dtype, contiguous=False)
+        for dst, w in zip(self.pool, weights, strict=True):
+            if w is not None:  # None: a passthrough part, already in place
+                dst.index_copy_(0, where, w)
 
     def _dequantize_into(self, slot: int, stored: list[torch.Tensor]) -> None:
         for dst, w in zip(self.weights(slot), self.store.dequantize(stored, self.dtype), strict=True):
