@@ -72,25 +72,33 @@ def micro_with_drafter(micro):
     load_drafter(get_preset("micro"), micro[0], block_size=8)  # the check's block size (gpu_steps.py)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(
-    1500
-)  # a fresh cache trains micro's drafter first; real_size writes ~10 GB at real width
-def test_the_cpu_run_passes_every_step_and_writes_the_summary_shape(tmp_path, micro_with_drafter):
+#: The default suite's run: every step but ``real_size`` (minutes at real width: the ``heavy`` test below).
+SUITE_STEPS = [name for name in gpu_check.STEPS if name != "real_size"]
+
+
+def run_cpu_check(tmp_path, steps: list[str], timeout: float) -> dict:
     summary = tmp_path / "gpu_check.json"
     proc = subprocess.run(
-        [str(REPO / "scripts" / "gpu_check.sh"), str(summary), "--cpu"],
+        [str(REPO / "scripts" / "gpu_check.sh"), str(summary), "--cpu", "--steps", ",".join(steps)],
         capture_output=True,
         text=True,
-        timeout=1400,
+        timeout=timeout,
         cwd=REPO,
     )
     assert summary.exists(), proc.stderr
     data = json.loads(summary.read_text())
     assert proc.returncode == 0 and data["ok"], (proc.stdout, json.dumps(data, indent=1)[:4000])
-    assert data["mode"] == "cpu" and list(data["steps"]) == list(gpu_check.STEPS)
+    assert data["mode"] == "cpu" and list(data["steps"]) == steps
     for name, step in data["steps"].items():
         assert step["ok"] is True and 0 <= step["seconds"] <= step["budget_s"] + 5, name
+    assert data["step_budgets_s"] == {k: 3 * gpu_check.STEPS[k] for k in steps}
+    return data
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # a fresh cache trains micro's drafter first
+def test_the_cpu_run_passes_every_step_and_writes_the_summary_shape(tmp_path, micro_with_drafter):
+    data = run_cpu_check(tmp_path, SUITE_STEPS, timeout=800)
     pre = data["steps"]["preflight"]
     assert pre["versions"]["transformers"] and pre["transformers_problem"] is None and pre["missing"] == []
     for name in ("link_tests", "configuration_tests"):  # every gpu file collected (none errors without Ray)
@@ -109,7 +117,12 @@ def test_the_cpu_run_passes_every_step_and_writes_the_summary_shape(tmp_path, mi
     assert "not available" in overhead.get("skipped", "") or overhead["result"]["status"] == "complete"
     pinning = data["steps"]["pinning"]
     assert pinning["host_copy_bytes_per_second"] > 0 and "skipped" in pinning["registration"]
-    assert data["step_budgets_s"] == {k: 3 * v for k, v in gpu_check.STEPS.items()}
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(1500)  # real_size writes and loads ~3 GB of real-width experts per run
+def test_the_cpu_real_size_step_measures_both_targets_at_real_width(tmp_path):
+    data = run_cpu_check(tmp_path, ["bundle", "preflight", "real_size"], timeout=1400)
     check_real_size(data["steps"]["real_size"]["result"])
 
 
