@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -23,3 +24,14 @@ def ray_tmp():
 def spec():
     """The 12-cell sweep of the test engines (``helpers.spec_data``), for tests that need its cells only."""
     return make_spec()
+
+
+@pytest.fixture
+def hangup_default():
+    """SIGHUP at its default while the test runs: a suite started under ``nohup`` passes SIG_IGN on, and a
+    driver that starts with SIGHUP ignored keeps ignoring it by design (the test sets what it relies on)."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous)

@@ -97,17 +97,6 @@ def assert_stopped(outcome, out: Path, sig: signal.Signals) -> list:
     return rows
 
 
-@pytest.fixture
-def hangup_default():
-    """SIGHUP at its default while the test runs: a suite started under ``nohup`` passes SIG_IGN on, and a
-    driver that starts with SIGHUP ignored keeps ignoring it by design (the test sets what it relies on)."""
-    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGHUP, previous)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
 def test_a_signal_while_the_driver_is_blocked_in_ray_wait_stops_the_sweep(
     tmp_path, cluster, sig, hangup_default

@@ -19,17 +19,6 @@ def deliver(sig: signal.Signals) -> None:
         pass
 
 
-@pytest.fixture
-def hangup_default():
-    """SIGHUP at its default while the test runs: a suite started under ``nohup`` passes SIG_IGN on, and a
-    driver that starts with SIGHUP ignored keeps ignoring it by design (the test sets what it relies on)."""
-    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGHUP, previous)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
 def test_a_signal_sets_the_request_and_raises_nothing(sig, capfd, hangup_default):
     before = signal.getsignal(sig)
