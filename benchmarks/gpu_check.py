@@ -244,23 +244,35 @@ def step_overhead(check: Check, timeout: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "overhead.json"
         args = [sys.executable, str(OVERHEAD), *OVERHEAD_ARGS[check.device], "--json", str(path)]
-        start = time.perf_counter()
         out: dict[str, Any] = {"command": " ".join(["benchmarks/engine_overhead.py", *args[2:]])}
-        try:
-            proc = subprocess.run(
-                args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=check.env()
-            )
-            out.update(exit_code=proc.returncode, tail=proc.stdout[-1500:])
-            error = proc.stderr[-1500:] if proc.returncode else None
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {timeout:.0f} s (the rows measured until then are kept)"
-        out["seconds"] = time.perf_counter() - start
-        if path.is_file():
-            out["result"] = json.loads(path.read_text())
+        error = _run_json_script(
+            check, args, path, out, timeout, tail=1500, kept="the rows measured until then are kept"
+        )
         out["ok"] = error is None and out.get("result", {}).get("status") == "complete"
         if not out["ok"]:
             out["error"] = error or "no complete JSON written"
         return out
+
+
+def _run_json_script(
+    check: Check, args: list[str], path: Path, out: dict[str, Any], timeout: float, *, tail: int, kept: str
+) -> str | None:
+    """Run a benchmark script that rewrites its JSON ``path`` as it measures: its exit code, stdout tail, seconds
+    and that JSON (whatever it holds when the script ends or is killed at ``timeout``) go into ``out``; returns
+    the error, or None."""
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=check.env()
+        )
+        out.update(exit_code=proc.returncode, tail=proc.stdout[-tail:])
+        error = proc.stderr[-1500:] if proc.returncode else None
+    except subprocess.TimeoutExpired:
+        error = f"timed out after {timeout:.0f} s ({kept})"
+    out["seconds"] = time.perf_counter() - start
+    if path.is_file():
+        out["result"] = json.loads(path.read_text())
+    return error
 
 
 def step_real_size(check: Check, timeout: float) -> dict[str, Any]:
@@ -271,18 +283,9 @@ def step_real_size(check: Check, timeout: float) -> dict[str, Any]:
         args = [sys.executable, str(REAL_SIZE), "--device", check.device, "--json", str(path)]
         args += ["--budget-s", f"{max(5.0, timeout - 10):.0f}"]
         out: dict[str, Any] = {"command": " ".join(["benchmarks/gpu_size.py", *args[2:3], check.device])}
-        start = time.perf_counter()
-        try:
-            proc = subprocess.run(
-                args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=check.env()
-            )
-            out.update(exit_code=proc.returncode, tail=proc.stdout[-800:])
-            error = proc.stderr[-1500:] if proc.returncode else None
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {timeout:.0f} s (what was measured until then is kept)"
-        out["seconds"] = time.perf_counter() - start
-        if path.is_file():
-            out["result"] = json.loads(path.read_text())
+        error = _run_json_script(
+            check, args, path, out, timeout, tail=800, kept="what was measured until then is kept"
+        )
         result = out.get("result", {})
         out["ok"] = error is None and result.get("status") == "complete" and result.get("ok") is True
         if not out["ok"]:
